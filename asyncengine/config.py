@@ -1,0 +1,106 @@
+"""EngineConfig: the one frozen config. CLI flags and ASYNCENGINE_* variables are generated from its fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncengine.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def default_model_path() -> str:
+    """The bundled default model (see tools/train_default_model.py)."""
+    return str(Path(__file__).parent / "assets" / "default-model")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = field(default_factory=default_model_path, metadata={"help": "HuggingFace model directory"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory (default: the model's)"})
+    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 | float16"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    pipeline_parallel_size: int = field(default=1, metadata={"help": "pipeline stages", "short": "-pp"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel ranks per stage", "short": "-tp"})
+    pp_layer_partition: tuple[int, ...] | None = field(
+        default=None, metadata={"help": "layers per stage, e.g. 3,2 (default: even split)"}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
+    num_kv_blocks: int | None = field(default=None, metadata={"help": "KV blocks (default: size from memory)"})
+    kv_cache_memory_bytes: int | None = field(
+        default=None, metadata={"help": "KV-cache bytes per worker on CPU (default: 1/4 of free RAM, max 4 GiB)"}
+    )
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory to use"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one step"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
+    max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
+    seed: int = field(default=0, metadata={"help": "seed of unseeded sampling"})
+    enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
+    cuda_graph_sizes: tuple[int, ...] | None = field(default=None, metadata={"help": "decode batch sizes to capture"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton"})
+    step_timeout: float = field(default=60.0, metadata={"help": "seconds a step may take before workers are dead"})
+    num_threads: int | None = field(default=None, metadata={"help": "torch threads per CPU worker"})
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}")
+        for name in ("pipeline_parallel_size", "tensor_parallel_size", "block_size", "max_num_seqs",
+                     "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.pp_layer_partition is not None:
+            if len(self.pp_layer_partition) != self.pipeline_parallel_size:
+                raise ConfigError("pp_layer_partition needs one entry per pipeline stage")
+            if any(n < 1 for n in self.pp_layer_partition):
+                raise ConfigError("every pipeline stage needs at least one layer")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if not Path(self.model).is_dir():
+            raise ConfigError(f"model directory not found: {self.model}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> EngineConfig:
+        """Fields from ASYNCENGINE_<FIELD> variables; explicit overrides win."""
+        from asyncengine.entrypoints.config_args import parse_field
+
+        values: dict[str, object] = {}
+        for f in dataclasses.fields(cls):
+            raw = os.environ.get(f"ASYNCENGINE_{f.name.upper()}")
+            if raw is not None:
+                values[f.name] = parse_field(f, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def layer_range(num_layers: int, pp_rank: int, pp_size: int, partition: tuple[int, ...] | None) -> tuple[int, int]:
+    """[start, end) of the decoder layers that pipeline stage `pp_rank` owns."""
+    if partition is None:
+        base, extra = divmod(num_layers, pp_size)
+        # NOTE: the remainder goes to the first stages; the last stage also runs norm + LM head + sampler.
+        partition = tuple(base + (1 if i < extra else 0) for i in range(pp_size))
+    if sum(partition) != num_layers:
+        raise ConfigError(f"pp_layer_partition {partition} does not add up to {num_layers} layers")
+    if any(n < 1 for n in partition):
+        raise ConfigError(f"{pp_size} pipeline stages need at least {pp_size} layers, model has {num_layers}")
+    start = sum(partition[:pp_rank])
+    return start, start + partition[pp_rank]

@@ -1,0 +1,142 @@
+"""Paged attention: the per-step metadata, the forward context and the Attention layer.
+
+The model runner builds one AttentionMetadata per step and enters `forward_context(meta)`; every
+Attention layer reads it from there (no set/reset pairs, no metadata threaded through model code).
+
+KV-cache layout, per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
+Token slot s lives at block s // block_size, offset s % block_size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one flattened batch: sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 marks padding rows that write nothing
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new tokens)
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
+    query_lens_cpu: list[int]  # same facts on the host, so the CPU backend loops without syncs
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    """Computes attention of the batch's queries over the paged cache (new K/V already written)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], this step's keys (also in the cache)
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
+
+
+_current: AttentionMetadata | None = None
+_backend: AttentionBackend | None = None
+
+
+@contextlib.contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[None]:
+    """Makes `meta` the batch every Attention layer sees for the duration of one forward pass."""
+    global _current
+    previous, _current = _current, meta
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    assert _current is not None, "Attention called outside forward_context()"
+    return _current
+
+
+def set_attention_backend(backend: AttentionBackend) -> None:
+    """Chosen once per worker process, before the first forward."""
+    global _backend
+    _backend = backend
+
+
+def get_attention_backend() -> AttentionBackend:
+    global _backend
+    if _backend is None:
+        from asyncengine.layers.attention_torch import TorchAttentionBackend
+
+        _backend = TorchAttentionBackend()
+    return _backend
+
+
+def write_kv_cache(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        flat_k.index_copy_(0, slot_mapping, k)
+        flat_v.index_copy_(0, slot_mapping, v)
+    else:
+        slots = slot_mapping[valid]
+        flat_k.index_copy_(0, slots, k[valid])
+        flat_v.index_copy_(0, slots, v[valid])
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention over the paged KV cache of one decoder layer.
+
+    The model runner binds `k_cache` / `v_cache` after it sizes the cache; before that (weight
+    loading, memory profiling) the layer attends over this step's keys only.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        v: torch.Tensor,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        meta = get_attention_metadata()
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.k_cache.numel():
+            write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = get_attention_backend().forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_dim)
