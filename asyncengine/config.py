@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,18 +77,6 @@ class EngineConfig:
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
-    @classmethod
-    def from_env(cls, **overrides: object) -> EngineConfig:
-        """Fields from ASYNCENGINE_<FIELD> variables; explicit overrides win."""
-        from asyncengine.entrypoints.config_args import parse_field
-
-        values: dict[str, object] = {}
-        for f in dataclasses.fields(cls):
-            raw = os.environ.get(f"ASYNCENGINE_{f.name.upper()}")
-            if raw is not None:
-                values[f.name] = parse_field(f, raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
 
 
 def layer_range(num_layers: int, pp_rank: int, pp_size: int, partition: tuple[int, ...] | None) -> tuple[int, int]:

@@ -1,0 +1,333 @@
+"""AsyncEngine: requests in, RequestOutputs streamed out; one asyncio loop drives the whole step.
+
+    schedule -> send ExecuteModelRequest -> receive ModelOutput -> process outputs
+
+With pipeline parallelism the loop keeps up to pp_size batches (of disjoint sequences) in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import NamedTuple
+
+from asyncengine.block_manager import BlockManager
+from asyncengine.config import EngineConfig
+from asyncengine.errors import ConfigError, EngineDeadError, EngineShutdownError, InvalidRequestError
+from asyncengine.executor import Executor
+from asyncengine.models.loader import get_model_config, model_max_len
+from asyncengine.output_processor import OutputProcessor, RequestState
+from asyncengine.outputs import RequestOutput
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.scheduler import Scheduler, SchedulerOutput
+from asyncengine.sequence import Sequence
+from asyncengine.stats import EngineStats
+from asyncengine.tokenizer import eos_token_ids, load_tokenizer
+from asyncengine.transport.wire import (
+    CachedSeq,
+    ExecuteModelRequest,
+    ModelOutput,
+    NewSeq,
+    SamplingOptions,
+    pack_ids,
+    unpack_ids,
+)
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class InFlight(NamedTuple):
+    step_id: int
+    sched: SchedulerOutput
+    sent_at: float
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.hf_config = get_model_config(config.model)
+        limit = model_max_len(self.hf_config)
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.tokenizer = load_tokenizer(config.tokenizer_path)
+        self.vocab_size = int(getattr(self.hf_config, "vocab_size", 0))
+        self.eos_ids = eos_token_ids(config.model, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
+        self.executor = Executor(config)
+        self.scheduler: Scheduler | None = None
+        self.requests: dict[str, RequestState] = {}
+        self.seq_owner: dict[int, RequestState] = {}
+        self.stats = EngineStats()
+        self._seq_ids = itertools.count()
+        self._step_ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._in_flight: deque[InFlight] = deque()
+        self.max_in_flight = config.pipeline_parallel_size
+        self.dead: EngineDeadError | None = None
+        self.closing = False
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    @classmethod
+    async def start(cls, config: EngineConfig) -> AsyncEngine:
+        """Starts the workers, loads the model and sizes the KV cache; returns a serving engine."""
+        engine = cls(config)
+        try:
+            await engine.executor.start()
+        except BaseException:
+            engine.executor.shutdown()
+            raise
+        num_blocks = engine.executor.num_kv_blocks
+        needed = -(-engine.max_model_len // config.block_size)
+        if num_blocks < needed:
+            engine.executor.shutdown()
+            raise ConfigError(f"KV cache holds {num_blocks} blocks of {config.block_size} tokens, but one sequence "
+                              f"of max_model_len={engine.max_model_len} needs {needed}: raise the KV memory or "
+                              "lower max_model_len")
+        bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        engine.scheduler = sched = Scheduler(bm, config.max_num_seqs, config.max_num_batched_tokens,
+                                             engine.max_model_len)
+        engine.stats.bind_scheduler(lambda: len(sched.running), lambda: len(sched.waiting), lambda: bm.usage,
+                                    lambda: bm.num_free_blocks)
+        engine._loop_task = asyncio.create_task(engine._run(), name="asyncengine-loop")
+        return engine
+
+    async def shutdown(self) -> None:
+        """Aborts what is still running, stops the loop and the workers: no process is left behind."""
+        self.closing = True
+        for request_id in list(self.requests):
+            self._abort(request_id)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, EngineDeadError):
+                pass
+        await asyncio.to_thread(self.executor.shutdown)
+
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead is None and not self.closing and self._loop_task is not None
+
+    # -- requests ---------------------------------------------------------------------------------
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: send prompt token ids")
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        else:
+            ids, text = list(prompt), None
+            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        return text, ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> RequestState:
+        """Validates and queues a request; raises InvalidRequestError (or a subclass) on bad input."""
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
+        if self.closing or self.scheduler is None:
+            raise EngineShutdownError("the engine is shutting down")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams")
+        params.validate()
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        text, ids = self._tokenize(prompt)
+        room = self.max_model_len - len(ids)
+        if room <= 0:
+            raise InvalidRequestError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                      f"max_model_len ({self.max_model_len})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        arrival = next(self._seq_ids)
+        seqs = [Sequence(next(self._seq_ids), i, ids, params, max_tokens, arrival) for i in range(params.n)]
+        state = RequestState(request_id, text, ids, params, seqs)
+        self.output_processor.attach(state)
+        self.requests[request_id] = state
+        for seq in seqs:
+            self.seq_owner[seq.seq_id] = state
+            self.scheduler.add(seq)
+        self.stats.on_arrival(len(ids))
+        self._wake.set()
+        return state
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Streams RequestOutputs; leaving the loop early (or cancelling the task) aborts the request."""
+        state = self.add_request(prompt, params, request_id)
+        try:
+            while True:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not state.done:
+                self._abort(state.request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """Aborts a request and frees everything it holds; False if it is not running."""
+        return self._abort(request_id)
+
+    def _abort(self, request_id: str) -> bool:
+        state = self.requests.get(request_id)
+        if state is None:
+            return False
+        for seq in state.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+            self._release(seq)
+        self._finish_request(state)
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        """Frees a finished sequence now, or once its in-flight batch comes back."""
+        assert self.scheduler is not None
+        if seq.in_flight:
+            seq.aborted = True
+            return
+        if not seq.is_finished:
+            self.scheduler.finish(seq)
+            self.seq_owner.pop(seq.seq_id, None)
+
+    def _finish_request(self, state: RequestState) -> None:
+        if state.done:
+            return
+        state.done = True
+        self.requests.pop(state.request_id, None)
+        out = self.output_processor.make_output(state)
+        if out is not None:
+            out.finished = True
+            state.queue.put_nowait(out)
+        state.metrics.finished_time = time.monotonic()
+        self.stats.on_finished(state)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        assert self.scheduler is not None
+        try:
+            while True:
+                while len(self._in_flight) < self.max_in_flight:
+                    sched = self.scheduler.schedule()
+                    if not sched.scheduled:
+                        break
+                    self._send(sched)
+                if not self._in_flight:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                output = await self.executor.recv_output(self.config.step_timeout)
+                self._process(output)
+        except EngineDeadError as e:
+            self._fail_all(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug in the loop must not leave requests hanging
+            logger.exception("engine loop crashed")
+            self._fail_all(EngineDeadError(f"engine loop crashed: {type(e).__name__}: {e}"))
+
+    def _send(self, sched: SchedulerOutput) -> None:
+        step_id = next(self._step_ids)
+        new_seqs: list[NewSeq] = []
+        cached: list[CachedSeq] = []
+        for seq, num in sched.scheduled:
+            if not seq.on_workers:
+                new_seqs.append(NewSeq(seq.seq_id, pack_ids(seq.token_ids), seq.num_prompt_tokens,
+                                       list(seq.block_ids), seq.num_computed_tokens, num, self._options(seq)))
+                seq.on_workers = True
+            else:
+                cached.append(CachedSeq(seq.seq_id, num, seq.token_ids[seq.num_tokens_on_workers :],
+                                        seq.block_ids[seq.num_blocks_on_workers :]))
+            seq.num_tokens_on_workers = seq.num_tokens
+            seq.num_blocks_on_workers = len(seq.block_ids)
+        req = ExecuteModelRequest(step_id, new_seqs, cached, sched.dropped_seq_ids)
+        nbytes = self.executor.send(req)
+        self.stats.on_step_sent(sched, nbytes)
+        self._in_flight.append(InFlight(step_id, sched, time.monotonic()))
+
+    def _options(self, seq: Sequence) -> SamplingOptions:
+        p = seq.params
+        banned = sorted(self.eos_ids | set(p.stop_token_ids)) if p.min_tokens else []
+        if p.ignore_eos:
+            banned = sorted(set(p.stop_token_ids)) if p.min_tokens else []
+        return SamplingOptions(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+            seed=None if p.seed is None else (p.seed + seq.index) % 2**63,
+            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty, logprobs=p.logprobs, min_tokens=p.min_tokens,
+            min_tokens_banned_ids=banned,
+        )
+
+    def _process(self, output: ModelOutput) -> None:
+        assert self.scheduler is not None
+        step = self._in_flight.popleft()
+        if output.step_id != step.step_id:
+            raise EngineDeadError(f"output of step {output.step_id} arrived, step {step.step_id} expected")
+        tokens = unpack_ids(output.sampled_token_ids)
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        k = 0
+        for seq, num in step.sched.scheduled:
+            self.scheduler.on_step_done(seq, num)
+            sampled = seq.num_computed_tokens == seq.num_tokens
+            if sampled:
+                token = tokens[k]
+                lp = output.logprobs[k] if output.logprobs else None
+                k += 1
+            state = self.seq_owner.get(seq.seq_id)
+            if seq.aborted or state is None or state.done:
+                self.scheduler.finish(seq)
+                self.seq_owner.pop(seq.seq_id, None)
+                continue
+            if not sampled:
+                continue
+            self.output_processor.append_token(seq, token, lp)
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+                self.stats.on_first_token(state, now)
+            else:
+                self.stats.on_token(state, now)
+            state.metrics.last_token_time = now
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                self.seq_owner.pop(seq.seq_id, None)
+            touched[state.request_id] = state
+        if k != len(tokens):
+            raise EngineDeadError(f"step {step.step_id}: {len(tokens)} tokens for {k} sampling sequences")
+        self.stats.on_step_done(step.sched, now - step.sent_at, output.execute_us)
+        for state in touched.values():
+            if state.all_finished:
+                self._finish_request(state)
+            else:
+                out = self.output_processor.make_output(state)
+                if out is not None:
+                    state.queue.put_nowait(out)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        self.dead = error
+        for state in list(self.requests.values()):
+            state.done = True
+            state.queue.put_nowait(error)
+        self.requests.clear()
+        self.executor.kill_workers()

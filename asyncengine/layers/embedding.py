@@ -1,0 +1,72 @@
+"""Token embedding and LM head with the vocabulary split across tensor-parallel ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncengine.errors import ModelLoadError
+from asyncengine.layers.parallel import ParallelContext, tp_all_gather, tp_all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows [r * per_rank, (r + 1) * per_rank) of the vocabulary.
+
+    The vocabulary is padded up to a multiple of tp_size so every rank holds the same number of rows (the
+    all-gather of the LM head needs equal shapes); padding rows are zero and never looked up.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, parallel: ParallelContext) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.per_rank = -(-num_embeddings // parallel.tp_size)
+        self.padded_num_embeddings = self.per_rank * parallel.tp_size
+        self.vocab_start = parallel.tp_rank * self.per_rank
+        self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)  # real rows end here
+        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if tuple(loaded.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ModelLoadError(
+                f"shape mismatch: embedding expects {(self.num_embeddings, self.embedding_dim)}, "
+                f"checkpoint has {tuple(loaded.shape)}"
+            )
+        rows = max(0, self.vocab_end - self.vocab_start)
+        param.data[:rows].copy_(loaded[self.vocab_start : self.vocab_start + rows])
+        param.data[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
+        if self.parallel.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.per_rank)  # [T]
+        out = F.embedding(torch.where(mine, local, 0), self.weight)
+        # every id is owned by exactly one rank: zero the others' rows and sum across ranks
+        out = out.masked_fill(~mine.unsqueeze(-1), 0)
+        return tp_all_reduce(out, self.parallel)
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings}, per_rank={self.per_rank}, dim={self.embedding_dim}, "
+                f"tp={self.parallel.tp_size}")
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden -> logits over the full vocabulary; each rank computes its vocab slice, then all-gather."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Shares the embedding's weight (tied word embeddings on a stage that holds both)."""
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        logits = F.linear(hidden, self.weight)  # [N, per_rank]
+        logits = tp_all_gather(logits, self.parallel, dim=-1)  # [N, padded vocab]
+        return logits[:, : self.num_embeddings].float()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is not an embedding lookup; call compute_logits")

@@ -1,0 +1,33 @@
+"""RMSNorm with an optional fused residual add, computed in float32 the way HF computes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., hidden]
+        # NOTE: HF normalises in float32 but multiplies by the weight in the input dtype; do the same so
+        # bf16 / fp16 results match the reference.
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def fused_add(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor,  # [num_tokens, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual = x + residual)
+        """Adds the residual stream and normalises: one call where a pre-norm block has two steps."""
+        x = x + residual
+        return self.forward(x), x
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

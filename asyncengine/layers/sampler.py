@@ -1,0 +1,143 @@
+"""Sampler: penalties, greedy / temperature / top-k / top-p / min-p sampling, and logprobs.
+
+Logprobs are those of the raw model distribution (log-softmax of the logits before any penalty or
+temperature), as vLLM and OpenAI report them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from asyncengine.transport.wire import SamplingOptions, TokenLogprobs
+
+
+class SamplingRow(NamedTuple):
+    """What the sampler needs of one sequence that samples this step."""
+
+    options: SamplingOptions
+    generator: torch.Generator | None
+    prompt_and_output_ids: list[int]  # for repetition penalty
+    output_counts: dict[int, int]  # for presence / frequency penalties and min_tokens
+    num_output_tokens: int
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None  # None when no row asked for logprobs
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        # NOTE: unseeded rows share this generator, so their draws depend on the batch; seeded rows don't.
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        logits = logits.float()  # [N, V]
+        wants_logprobs = any(r.options.logprobs is not None for r in rows)
+        logprobs_out = self._logprobs(logits, rows) if wants_logprobs else None
+        logits = self._apply_penalties(logits, rows)
+        greedy = [r.options.temperature == 0.0 for r in rows]
+        if all(greedy):
+            token_ids = logits.argmax(dim=-1).tolist()
+        else:
+            token_ids = self._sample(logits, rows, greedy)
+        logprobs = None
+        if logprobs_out is not None:
+            logprobs = self._attach_sampled(logprobs_out, token_ids)
+        return SamplerOutput(token_ids, logprobs)
+
+    # -- penalties -------------------------------------------------------------------------------
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        for i, row in enumerate(rows):
+            opt = row.options
+            if opt.min_tokens and row.num_output_tokens < opt.min_tokens and opt.min_tokens_banned_ids:
+                banned = [t for t in opt.min_tokens_banned_ids if t < vocab]
+                logits[i, banned] = float("-inf")
+            if opt.repetition_penalty != 1.0:
+                ids = torch.tensor(sorted(set(row.prompt_and_output_ids)), dtype=torch.long, device=logits.device)
+                ids = ids[ids < vocab]
+                picked = logits[i, ids]
+                logits[i, ids] = torch.where(picked > 0, picked / opt.repetition_penalty,
+                                             picked * opt.repetition_penalty)
+            if (opt.presence_penalty or opt.frequency_penalty) and row.output_counts:
+                ids = torch.tensor(list(row.output_counts), dtype=torch.long, device=logits.device)
+                counts = torch.tensor(list(row.output_counts.values()), dtype=logits.dtype, device=logits.device)
+                keep = ids < vocab
+                logits[i, ids[keep]] -= opt.frequency_penalty * counts[keep] + opt.presence_penalty
+        return logits
+
+    # -- sampling --------------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> list[int]:
+        device = logits.device
+        temps = torch.tensor([r.options.temperature or 1.0 for r in rows], device=device)
+        logits = logits / temps[:, None]
+        top_k = [r.options.top_k for r in rows]
+        top_p = [r.options.top_p for r in rows]
+        min_p = [r.options.min_p for r in rows]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)  # [N, V]
+        if any(p > 0.0 for p in min_p):
+            mp = torch.tensor(min_p, device=device)
+            probs = probs.masked_fill(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        # Exponential race (Gumbel-max in disguise): argmax(p / q), q ~ Exp(1), samples from p without
+        # the host sync of torch.multinomial; each seeded row draws from its own generator.
+        q = torch.empty_like(probs)
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if shared:
+            q[shared] = torch.empty(len(shared), probs.shape[-1], device=device).exponential_(generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                q[i].exponential_(generator=r.generator)
+        sampled = (probs / q).argmax(dim=-1)
+        greedy_ids = logits.argmax(dim=-1)
+        mask = torch.tensor(greedy, device=device)
+        return torch.where(mask, greedy_ids, sampled).tolist()
+
+    # -- logprobs --------------------------------------------------------------------------------
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> list[tuple[torch.Tensor, int] | None]:
+        lp = logits.log_softmax(dim=-1)  # [N, V]
+        return [(lp[i], r.options.logprobs) if r.options.logprobs is not None else None for i, r in enumerate(rows)]
+
+    @staticmethod
+    def _attach_sampled(raw: list[tuple[torch.Tensor, int] | None], token_ids: list[int]) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = []
+        for entry, token in zip(raw, token_ids):
+            if entry is None:
+                out.append(None)
+                continue
+            row_lp, k = entry
+            sampled_lp = row_lp[token]
+            rank = int((row_lp > sampled_lp).sum().item()) + 1
+            ids, lps, ranks = [token], [float(sampled_lp)], [rank]
+            if k:
+                top = row_lp.topk(k)
+                ids += top.indices.tolist()
+                lps += top.values.tolist()
+                ranks += list(range(1, k + 1))
+            out.append(TokenLogprobs(ids, lps, ranks))
+        return out
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Masks (to -inf) every token outside each row's top-k and nucleus top-p."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
+    device = logits.device
+    k = torch.tensor([min(x, vocab) if x > 0 else vocab for x in top_k], device=device)
+    positions = torch.arange(vocab, device=device)[None, :]
+    mask = positions >= k[:, None]
+    p = torch.tensor(top_p, device=device)
+    probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    # drop a token once the mass strictly before it already reaches top_p (the top token always stays)
+    mass_before = probs.cumsum(dim=-1) - probs
+    mask |= mass_before >= p[:, None]
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

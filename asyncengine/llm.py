@@ -1,0 +1,90 @@
+"""LLM: the offline, synchronous wrapper over the same AsyncEngine (vLLM's `LLM(...).generate`)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from tqdm import tqdm
+
+from asyncengine.config import EngineConfig
+from asyncengine.engine import AsyncEngine, Prompt
+from asyncengine.outputs import RequestOutput
+from asyncengine.sampling_params import OutputKind, SamplingParams
+
+T = TypeVar("T")
+
+
+class LLM:
+    """`LLM(model=..., **EngineConfig fields).generate(prompts, params)`; outputs in prompt order."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model"] = model
+        self.config = EngineConfig(**kwargs)
+        # the engine lives on its own event loop thread, so LLM works inside async code too
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="asyncengine-llm", daemon=True)
+        self._thread.start()
+        self.engine: AsyncEngine = self._call(AsyncEngine.start(self.config))
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompts)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(param_list)} SamplingParams")
+        return self._call(self._generate_all(prompts, param_list, use_tqdm))
+
+    async def _generate_all(self, prompts: list[Prompt], params: list[SamplingParams],
+                            use_tqdm: bool) -> list[RequestOutput]:
+        states = []
+        for p, sp in zip(prompts, params):
+            final = SamplingParams(**{f: getattr(sp, f) for f in sp.__struct_fields__ if f != "output_kind"},
+                                   output_kind=OutputKind.FINAL_ONLY)
+            states.append(self.engine.add_request(p, final))
+        bar = tqdm(total=len(states), disable=not use_tqdm, desc="generate")
+
+        async def wait(state: Any) -> RequestOutput:
+            item = await state.queue.get()
+            bar.update(1)
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+        try:
+            return list(await asyncio.gather(*(wait(s) for s in states)))
+        finally:
+            bar.close()
+
+    def shutdown(self) -> None:
+        if self._loop.is_running():
+            self._call(self.engine.shutdown())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

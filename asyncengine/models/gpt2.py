@@ -1,0 +1,153 @@
+"""GPT-2: learned positions, LayerNorm, fused c_attn, gelu_new MLP and an LM head tied to wte.
+
+HF stores GPT-2's projections as Conv1D, whose weight is [in, out]; they are transposed while loading.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncengine.errors import ModelLoadError
+from asyncengine.layers.activation import get_act_fn
+from asyncengine.layers.attention import Attention
+from asyncengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from asyncengine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, load_into
+from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
+
+_CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
+_LAYER = re.compile(r"^transformer\.h\.(\d+)\.")
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, cfg: Any, parallel: ParallelContext, layer_idx: int) -> None:
+        super().__init__()
+        hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.head_dim = hidden // heads
+        scale = self.head_dim**-0.5 if getattr(cfg, "scale_attn_weights", True) else 1.0
+        if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
+            scale /= float(layer_idx + 1)  # HF folds this into the same softmax scale
+        self.c_attn = QKVParallelLinear(hidden, self.head_dim, heads, heads, parallel, bias=True)
+        self.c_proj = RowParallelLinear(hidden, hidden, parallel, bias=True)
+        self.attn = Attention(self.c_attn.num_heads, self.head_dim, self.c_attn.num_kv_heads, scale)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        q, k, v = self.c_attn.split_qkv(self.c_attn(hidden))
+        return self.c_proj(self.attn(q, k, v))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, cfg: Any, parallel: ParallelContext) -> None:
+        super().__init__()
+        inner = getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
+        self.c_fc = ColumnParallelLinear(cfg.hidden_size, inner, parallel, bias=True)
+        self.act = get_act_fn(cfg.activation_function)
+        self.c_proj = RowParallelLinear(inner, cfg.hidden_size, parallel, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg: Any, parallel: ParallelContext, layer_idx: int) -> None:
+        super().__init__()
+        eps = cfg.layer_norm_epsilon
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.attn = GPT2Attention(cfg, parallel, layer_idx)
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.mlp = GPT2MLP(cfg, parallel)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        hidden = hidden + self.attn(self.ln_1(hidden))
+        return hidden + self.mlp(self.ln_2(hidden))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, cfg: Any, parallel: ParallelContext) -> None:
+        super().__init__()
+        self.wte: VocabParallelEmbedding | None = None
+        self.wpe: nn.Embedding | None = None
+        if parallel.is_first_stage:
+            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
+            self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)  # small: replicated
+        self.h = nn.ModuleDict(
+            {str(i): GPT2Block(cfg, parallel, i) for i in range(cfg.num_hidden_layers) if parallel.owns_layer(i)}
+        )
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon) if parallel.is_last_stage else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        intermediate: IntermediateTensors | None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.wte is not None and self.wpe is not None:
+            assert input_ids is not None, "the first stage needs input_ids"
+            hidden = self.wte(input_ids) + self.wpe(positions)  # [T, hidden]
+        else:
+            assert intermediate is not None, "a later stage needs the previous stage's tensors"
+            hidden = intermediate["hidden_states"]
+        for block in self.h.values():
+            hidden = block(hidden)
+        if self.ln_f is None:
+            return {"hidden_states": hidden}
+        return self.ln_f(hidden)
+
+
+class GPT2LMHeadModel(nn.Module):
+    intermediate_names: tuple[str, ...] = ("hidden_states",)
+
+    def __init__(self, hf_config: Any, parallel: ParallelContext) -> None:
+        super().__init__()
+        if getattr(hf_config, "add_cross_attention", False):
+            raise ModelLoadError("GPT-2 with add_cross_attention=True (an encoder-decoder) is not supported")
+        # NOTE: reorder_and_upcast_attn only changes the precision of HF's eager path (the sdpa default ignores
+        # it), so it is accepted as is.
+        self.config = hf_config
+        self.parallel = parallel
+        self.hidden_size: int = hf_config.hidden_size
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        self.transformer = GPT2Model(hf_config, parallel)
+        self.lm_head: ParallelLMHead | None = None
+        if parallel.is_last_stage:
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel)
+            if self.tie_word_embeddings and self.transformer.wte is not None:
+                self.lm_head.tie_to(self.transformer.wte)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:  # last stage: [T, hidden] after ln_f
+        return self.transformer(input_ids, positions, intermediate)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        assert self.lm_head is not None, "compute_logits runs on the last pipeline stage only"
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if not name.startswith(("transformer.", "lm_head.")):
+                name = "transformer." + name  # the original OpenAI checkpoints have no prefix
+            if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers of old checkpoints
+                continue
+            match = _LAYER.match(name)
+            if match and not self.parallel.owns_layer(int(match.group(1))):
+                continue
+            if name.endswith(_CONV1D):
+                tensor = tensor.t()  # Conv1D [in, out] -> Linear [out, in]
+            if name == "transformer.wte.weight" and self.tie_word_embeddings and "lm_head.weight" in params:
+                load_into(params["lm_head.weight"], name, tensor)  # the last stage's copy of the tied head
+                loaded.add("lm_head.weight")
+            if name not in params:
+                continue
+            load_into(params[name], name, tensor)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,237 @@
+"""Llama and the families shaped like it (Mistral here; Qwen2 and Qwen3 subclass it with their options).
+
+Module names mirror HF's (`model.layers.3.self_attn...`) so checkpoint names map with a short table; the
+only renames are the fused projections: q/k/v -> qkv_proj and gate/up -> gate_up_proj.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncengine.layers.activation import ActAndMul
+from asyncengine.layers.attention import Attention
+from asyncengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from asyncengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, load_into
+from asyncengine.layers.norm import RMSNorm
+from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
+from asyncengine.layers.rotary import RotaryEmbedding, apply_rotary, max_rope_positions
+
+
+@dataclass(frozen=True)
+class LlamaOptions:
+    """Where the Llama-shaped families differ."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotary embedding
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """Explicit `head_dim` when the config has one (Qwen3, Mistral-Nemo), else hidden / heads."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, parallel: ParallelContext, opts: LlamaOptions) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(cfg)
+        total_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, self.head_dim, cfg.num_attention_heads, total_kv, parallel, bias=opts.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * self.head_dim, cfg.hidden_size, parallel, bias=opts.o_bias
+        )
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if opts.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.attn = Attention(
+            self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads, self.head_dim**-0.5
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, rotary_dim / 2]
+        sin: torch.Tensor,
+    ) -> torch.Tensor:  # [T, hidden]
+        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))  # [T, H * D], [T, Hkv * D], [T, Hkv * D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(1)
+            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(1)
+        q = apply_rotary(q, cos, sin, self.head_dim)
+        k = apply_rotary(k, cos, sin, self.head_dim)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any, parallel: ParallelContext, opts: LlamaOptions) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], parallel, bias=opts.mlp_bias)
+        self.act_fn = ActAndMul(cfg.hidden_act)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, parallel, bias=opts.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, parallel: ParallelContext, opts: LlamaOptions) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, parallel, opts)
+        self.mlp = LlamaMLP(cfg, parallel, opts)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden], the previous block's output (not yet added to the residual)
+        residual: torch.Tensor | None,  # [T, hidden]; None before the first layer
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # the residual add is deferred into the next norm: (h, r) -> norm(h + r), h + r
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.fused_add(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin)
+        hidden, residual = self.post_attention_layernorm.fused_add(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack of one pipeline stage: embedding on the first, final norm on the last."""
+
+    def __init__(self, cfg: Any, parallel: ParallelContext, opts: LlamaOptions) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if parallel.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
+        # a ModuleDict keyed by the global layer index keeps HF's names (model.layers.7...) on every stage
+        self.layers = nn.ModuleDict(
+            {str(i): LlamaDecoderLayer(cfg, parallel, opts) for i in range(cfg.num_hidden_layers)
+             if parallel.owns_layer(i)}
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if parallel.is_last_stage else None
+        self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg), max_rope_positions(cfg))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        intermediate: IntermediateTensors | None,
+    ) -> torch.Tensor | IntermediateTensors:
+        residual: torch.Tensor | None
+        if self.embed_tokens is not None:
+            assert input_ids is not None, "the first stage needs input_ids"
+            hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        else:
+            assert intermediate is not None, "a later stage needs the previous stage's tensors"
+            hidden, residual = intermediate["hidden_states"], intermediate["residual"]
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.layers.values():
+            hidden, residual = layer(hidden, residual, cos, sin)
+        if self.norm is None:
+            # hidden + residual is the true stream; a zero residual keeps the pair's meaning if no layer ran
+            return {"hidden_states": hidden, "residual": residual if residual is not None else torch.zeros_like(hidden)}
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm.fused_add(hidden, residual)[0]
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class LlamaForCausalLM(nn.Module):
+    intermediate_names: tuple[str, ...] = ("hidden_states", "residual")
+    # (our fused param, HF's name, shard_id)
+    stacked_params: tuple[tuple[str, str, Any], ...] = (
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", 0),
+        (".gate_up_proj.", ".up_proj.", 1),
+    )
+
+    @classmethod
+    def options(cls, cfg: Any) -> LlamaOptions:
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return LlamaOptions(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+
+    def __init__(self, hf_config: Any, parallel: ParallelContext) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.parallel = parallel
+        self.hidden_size: int = hf_config.hidden_size
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = LlamaModel(hf_config, parallel, self.options(hf_config))
+        self.lm_head: ParallelLMHead | None = None
+        if parallel.is_last_stage:
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel)
+            if self.tie_word_embeddings and self.model.embed_tokens is not None:
+                self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:  # last stage: [T, hidden] after the final norm
+        return self.model(input_ids, positions, intermediate)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        assert self.lm_head is not None, "compute_logits runs on the last pipeline stage only"
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies HF checkpoint tensors into this shard; returns the names of the parameters it filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        shards: dict[str, set[Any]] = {}  # fused param -> shard ids seen; complete only when all arrived
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:  # a buffer older checkpoints saved; recomputed here
+                continue
+            match = _LAYER.match(name)
+            if match and not self.parallel.owns_layer(int(match.group(1))):
+                continue
+            if name == "model.embed_tokens.weight" and self.tie_word_embeddings and "lm_head.weight" in params:
+                # a last stage without the embedding still needs it as its LM head
+                load_into(params["lm_head.weight"], name, tensor)
+                loaded.add("lm_head.weight")
+            target, shard_id = name, None
+            for fused, hf, sid in self.stacked_params:
+                if hf in name:
+                    target, shard_id = name.replace(hf, fused), sid
+                    break
+            if target not in params:  # another stage's embedding / head, or a tensor we do not use
+                continue
+            load_into(params[target], name, tensor, shard_id)
+            if shard_id is None:
+                loaded.add(target)
+            else:
+                shards.setdefault(target, set()).add(shard_id)
+        for target, seen in shards.items():
+            needed = {sid for fused, _, sid in self.stacked_params if fused in target}
+            if seen >= needed:
+                loaded.add(target)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama without biases; its sliding window is honoured by capping the context (see model_max_len)."""
+
+    @classmethod
+    def options(cls, cfg: Any) -> LlamaOptions:
+        return LlamaOptions()

@@ -1,0 +1,144 @@
+"""Builds one model shard from a HF directory and streams its safetensors weights into it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncengine.errors import ModelLoadError
+from asyncengine.layers.parallel import ParallelContext
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16}
+# decoder-layer index in a checkpoint name: model.layers.3. (Llama family), transformer.h.3. / h.3. (GPT-2)
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+
+
+def get_model_config(model_dir: str) -> Any:
+    """The directory's HF config, read locally (never downloads)."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot read the model config in {model_dir}: {e}") from e
+
+
+def model_dtype(hf_config: Any) -> torch.dtype:
+    """The dtype the checkpoint was saved in (config `dtype`, or `torch_dtype` before transformers 4.56)."""
+    raw = getattr(hf_config, "dtype", None)
+    if raw is None:
+        raw = vars(hf_config).get("torch_dtype")
+    if raw is None or raw == "auto":
+        return torch.float32
+    if isinstance(raw, torch.dtype):
+        return raw
+    name = str(raw).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ModelLoadError(f"unsupported model dtype {raw!r}")
+    return _DTYPES[name]
+
+
+def model_max_len(hf_config: Any) -> int:
+    """The longest context the model supports.
+
+    NOTE: our attention has no sliding window, so where one is in effect (Mistral's `sliding_window`, Qwen2/3
+    with `use_sliding_window`) the context is capped at the window, where full attention is the same thing.
+    """
+    max_len = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    if not max_len:
+        raise ModelLoadError("the model config has neither max_position_embeddings nor n_positions")
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        layer_types = getattr(hf_config, "layer_types", None)
+        if layer_types is None or "sliding_attention" in layer_types:
+            max_len = min(max_len, int(window))
+    return int(max_len)
+
+
+def load_model(
+    model_dir: str,
+    parallel: ParallelContext,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool = False,
+) -> nn.Module:
+    """Builds this rank's shard of the model on `device` in `dtype` and loads its weights.
+
+    Raises ModelLoadError for an unknown architecture, missing / unreadable weight files, mismatched shapes,
+    or any parameter of this shard that no checkpoint tensor filled.
+    """
+    from asyncengine.models.registry import resolve_model_class  # here: config readers need no model code
+
+    hf_config = get_model_config(model_dir)
+    model_class = resolve_model_class(hf_config)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_class(hf_config, parallel)
+    model.requires_grad_(False)
+    loaded = model.load_weights(_iter_weights(_weight_files(Path(model_dir)), parallel, progress))  # type: ignore[operator]
+    missing = sorted({name for name, _ in model.named_parameters()} - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ModelLoadError(f"{model_dir}: no weights found for {len(missing)} parameter(s): {shown}")
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # parameters are created in the target dtype directly, never as a float32 copy first
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"unreadable {index}: {e}") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.exists()]
+        if absent:
+            raise ModelLoadError(f"{model_dir}: weight files listed in {index.name} are missing: {absent}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {model_dir} (pickled .bin checkpoints are not loaded)")
+    return files
+
+
+def _iter_weights(files: list[Path], parallel: ParallelContext, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every checkpoint tensor this stage may need, read one at a time."""
+    from safetensors import SafetensorError, safe_open
+    from tqdm import tqdm
+
+    def wanted(name: str) -> bool:  # other stages' layers are never read from disk
+        match = _LAYER.search(name)
+        return match is None or parallel.owns_layer(int(match.group(1)))
+
+    try:
+        names: list[tuple[Path, list[str]]] = []
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                names.append((path, [k for k in f.keys() if wanted(k)]))
+        with tqdm(total=sum(len(k) for _, k in names), desc="loading weights", unit="tensor",
+                  disable=not progress) as bar:
+            for path, keys in names:
+                with safe_open(str(path), framework="pt") as f:
+                    for key in keys:
+                        yield key, f.get_tensor(key)
+                        bar.update(1)
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"cannot read weights: {e}") from e

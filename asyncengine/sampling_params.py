@@ -1,0 +1,102 @@
+"""SamplingParams: a msgspec Struct validated on construction, sent once per request to the workers."""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import msgspec
+
+from asyncengine.errors import InvalidRequestError
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 256
+MAX_LOGPROBS = 20
+
+
+class OutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every RequestOutput holds all text and tokens so far
+    DELTA = 1  # every RequestOutput holds only what is new since the last one
+    FINAL_ONLY = 2  # one RequestOutput, when the request finishes
+
+
+class SamplingParamsError(InvalidRequestError):
+    """A SamplingParams field is out of range."""
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = up to the context length
+    min_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per sampled token (the sampled one is always included)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # OpenAI lets `stop` be one string
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def validate(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise SamplingParamsError(message)
+
+        def finite(name: str) -> float:
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool), f"{name} must be a number")
+            check(math.isfinite(value), f"{name} must be finite, got {value}")
+            return float(value)
+
+        check(1 <= self.n <= 64, f"n must be in [1, 64], got {self.n}")
+        check(finite("temperature") >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        check(0.0 < finite("top_p") <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= 0, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        check(0.0 <= finite("min_p") <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)")
+        check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+        )
+        check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
+        for s in self.stop:
+            check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN,
+                  f"stop strings must be 1..{MAX_STOP_STRING_LEN} characters")
+        check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+        check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        check(-2.0 <= finite("presence_penalty") <= 2.0, "presence_penalty must be in [-2, 2]")
+        check(-2.0 <= finite("frequency_penalty") <= 2.0, "frequency_penalty must be in [-2, 2]")
+        check(0.0 < finite("repetition_penalty") <= 10.0, "repetition_penalty must be in (0, 10]")
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> SamplingParams:
+        """Builds params from untrusted JSON-like data: wrong types and unknown fields are typed errors."""
+        try:
+            return msgspec.convert(fields, cls, strict=False)
+        except msgspec.ValidationError as e:
+            raise SamplingParamsError(f"invalid sampling params: {e}") from None

@@ -1,0 +1,143 @@
+"""Scheduler: continuous batching under a token budget, chunked prefill, preemption by recompute.
+
+Each call to `schedule()` builds one batch from sequences that are not already in flight, so with
+pipeline parallelism several batches of disjoint sequences can be in the pipeline at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from asyncengine.block_manager import BlockManager
+from asyncengine.sequence import Sequence, SequenceStatus
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence
+    num_tokens: int  # tokens to compute this step: 1 for decode, a chunk of the prompt for prefill
+
+
+class SchedulerOutput(NamedTuple):
+    scheduled: list[ScheduledSeq]
+    dropped_seq_ids: list[int]  # sequences the workers must forget (finished, aborted, preempted)
+    num_preempted: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._dropped: list[int] = []  # worker state to drop, sent with the next step
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(1 for s in self.running if s.in_flight)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Frees a finished or aborted sequence that is not in flight."""
+        assert not seq.in_flight
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free_seq(seq)
+        self._forget_on_workers(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = 0
+        bm = self.block_manager
+
+        # 1. running sequences, oldest first: a decode token each, or the next chunk of their prompt
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.in_flight or seq.status != SequenceStatus.RUNNING:
+                continue
+            num = min(seq.num_uncomputed_tokens, budget)
+            if num == 0:
+                continue
+            fits = True
+            while fits and not bm.allocate(seq, seq.num_computed_tokens + num):
+                victim = self._preemption_victim(scheduled)
+                if victim is None:  # everything else is in flight: wait for their blocks
+                    fits = False
+                    break
+                self._preempt(victim)
+                preempted += 1
+                fits = victim is not seq
+            if not fits:
+                continue
+            scheduled.append(ScheduledSeq(seq, num))
+            budget -= num
+
+        # 2. waiting sequences, first come first served, while nothing had to be preempted
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_ids:
+                bm.match_prefix(seq)
+            num = min(seq.num_uncomputed_tokens, budget)
+            if not bm.allocate(seq, seq.num_computed_tokens + num):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num))
+            budget -= num
+
+        for item in scheduled:
+            item.seq.in_flight = True
+        dropped: list[int] = []
+        if scheduled:  # drops ride on the next step that is actually sent
+            dropped, self._dropped = self._dropped, []
+        return SchedulerOutput(scheduled, dropped, preempted)
+
+    def _preemption_victim(self, scheduled: list[ScheduledSeq]) -> Sequence | None:
+        """The newest running sequence that is neither in flight nor already in this batch."""
+        taken = {s.seq.seq_id for s in scheduled}
+        for seq in reversed(self.running):
+            if not seq.in_flight and seq.seq_id not in taken:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the KV, requeue at the front; prefix caching makes the redo cheap."""
+        self.running.remove(seq)
+        self.block_manager.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self._forget_on_workers(seq)
+        self.num_preemptions += 1
+
+    def _forget_on_workers(self, seq: Sequence) -> None:
+        if seq.on_workers:
+            self._dropped.append(seq.seq_id)
+            seq.on_workers = False
+            seq.num_tokens_on_workers = 0
+            seq.num_blocks_on_workers = 0
+
+    def on_step_done(self, seq: Sequence, num_tokens: int) -> None:
+        """The KV of `num_tokens` more tokens of seq is now in the cache."""
+        seq.in_flight = False
+        seq.num_computed_tokens += num_tokens
+        self.block_manager.register_computed(seq)

@@ -1,0 +1,71 @@
+"""Engine-side state of requests and their sequences (one sequence per sample, n of them per request)."""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+from asyncengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncengine.detokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class Sequence:
+    """One stream of tokens: the prompt plus what has been sampled so far, and its KV blocks."""
+
+    def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens: int, arrival: int) -> None:
+        self.seq_id = seq_id
+        self.index = index  # which of the request's n samples
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.arrival = arrival  # FCFS order, also the preemption order (newest first)
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks already registered
+        self.in_flight = False  # scheduled in a batch whose output has not come back
+        self.on_workers = False  # the workers hold its state, so steps carry only diffs
+        self.num_tokens_on_workers = 0
+        self.num_blocks_on_workers = 0
+        self.aborted = False
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.num_streamed_tokens = 0  # for DELTA outputs
+        self.num_streamed_chars = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={len(self.block_ids)}, status={self.status.name})")

@@ -1,0 +1,78 @@
+"""Engine metrics with prometheus_client, under vLLM's names with an `asyncengine:` prefix.
+
+Each engine owns its registry, so several engines in one process (tests, benchmarks) never clash.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from asyncengine.output_processor import RequestState
+    from asyncengine.scheduler import SchedulerOutput
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+class EngineStats:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("asyncengine:num_requests_running", "Sequences in the running set", registry=r)
+        self.waiting = Gauge("asyncengine:num_requests_waiting", "Sequences waiting to be scheduled", registry=r)
+        self.kv_usage = Gauge("asyncengine:kv_cache_usage_perc", "Share of KV blocks in use (0-1)", registry=r)
+        self.kv_free_blocks = Gauge("asyncengine:kv_cache_free_blocks", "Free KV-cache blocks", registry=r)
+        self.prompt_tokens = Counter("asyncengine:prompt_tokens", "Prefill tokens received", registry=r)
+        self.generation_tokens = Counter("asyncengine:generation_tokens", "Tokens generated", registry=r)
+        self.preemptions = Counter("asyncengine:num_preemptions", "Preemptions by recompute", registry=r)
+        self.request_success = Counter("asyncengine:request_success", "Finished requests", ["finished_reason"],
+                                       registry=r)
+        self.ttft = Histogram("asyncengine:time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("asyncengine:inter_token_latency_seconds", "Time between tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("asyncengine:e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.steps = Counter("asyncengine:engine_steps", "Steps sent to the workers", registry=r)
+        self.step_bytes = Counter("asyncengine:execute_model_request_bytes", "Bytes of ExecuteModelRequests",
+                                  registry=r)
+        self.last_token_time: dict[int, float] = {}
+        self.step_latencies: list[float] = []  # engine-observed step round trips (bounded)
+
+    def bind_scheduler(self, running: Callable[[], float], waiting: Callable[[], float],
+                       usage: Callable[[], float], free: Callable[[], float]) -> None:
+        self.running.set_function(running)
+        self.waiting.set_function(waiting)
+        self.kv_usage.set_function(usage)
+        self.kv_free_blocks.set_function(free)
+
+    def on_arrival(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_first_token(self, state: RequestState, now: float) -> None:
+        self.ttft.observe(now - state.metrics.arrival_time)
+        self.generation_tokens.inc()
+
+    def on_token(self, state: RequestState, now: float) -> None:
+        if state.metrics.last_token_time is not None:
+            self.itl.observe(now - state.metrics.last_token_time)
+        self.generation_tokens.inc()
+
+    def on_finished(self, state: RequestState) -> None:
+        reason = next((s.finish_reason for s in state.seqs if s.finish_reason), "abort") or "abort"
+        self.request_success.labels(finished_reason=reason).inc()
+        if state.metrics.finished_time is not None:
+            self.e2e.observe(state.metrics.finished_time - state.metrics.arrival_time)
+
+    def on_step_sent(self, sched: SchedulerOutput, nbytes: int) -> None:
+        self.steps.inc()
+        self.step_bytes.inc(nbytes)
+        if sched.num_preempted:
+            self.preemptions.inc(sched.num_preempted)
+
+    def on_step_done(self, sched: SchedulerOutput, seconds: float, execute_us: int) -> None:
+        if len(self.step_latencies) < 100_000:
+            self.step_latencies.append(seconds)

@@ -1,0 +1,113 @@
+"""Worker process entry point: `python -m asyncengine.worker.main --rank R --broadcast ADDR --results ADDR`.
+
+The engine starts workers by this entry point, so no engine object is pickled into them. A worker
+exits on its own when its parent goes away: the engine holds the write end of a pipe whose read end
+the worker watches (`--parent-fd`), and EOF means the parent is dead, however it died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import traceback
+
+import msgspec
+import zmq
+
+from asyncengine.transport.channels import BroadcastReceiver, Endpoints, ResultSender
+from asyncengine.transport.curve import load_client_keys
+from asyncengine.transport.wire import (
+    CacheReady,
+    ExecuteModelRequest,
+    InitCache,
+    InitWorker,
+    Shutdown,
+    WorkerFailure,
+    WorkerReady,
+)
+
+logger = logging.getLogger("asyncengine.worker")
+
+
+def watch_parent(fd: int) -> None:
+    """Exits the process as soon as the engine's end of the pipe closes."""
+
+    def wait() -> None:
+        try:
+            while os.read(fd, 1):
+                pass
+        except OSError:
+            pass
+        os._exit(3)
+
+    threading.Thread(target=wait, name="parent-watch", daemon=True).start()
+
+
+def serve(rank: int, endpoints: Endpoints, local_rank: int | None = None) -> int:
+    ctx = zmq.Context()
+    rx = BroadcastReceiver(ctx, endpoints)
+    tx = ResultSender(ctx, endpoints)
+    worker = None
+    try:
+        while True:
+            if not rx.poll(1000):
+                continue
+            data = rx.recv_bytes()
+            try:
+                msg = rx.decode(data)
+            except msgspec.MsgspecError as e:
+                # a malformed frame is dropped, never executed; the engine's step timeout notices
+                logger.error("worker %d dropped a malformed frame (%d bytes): %s", rank, len(data), e)
+                continue
+            if isinstance(msg, ExecuteModelRequest):
+                assert worker is not None
+                out = worker.execute_model(msg)
+                if out is not None:
+                    tx.send(out)
+            elif isinstance(msg, InitWorker):
+                from asyncengine.worker.worker import Worker  # heavy imports only once asked to load
+
+                worker = Worker(rank, msg, local_rank)
+                tx.send(WorkerReady(rank, worker.num_kv_blocks_that_fit(), os.getpid(), worker.vocab_size))
+            elif isinstance(msg, InitCache):
+                assert worker is not None
+                worker.init_cache(msg.num_kv_blocks)
+                tx.send(CacheReady(rank))
+            elif isinstance(msg, Shutdown):
+                return 0
+    except Exception as e:  # report, then die: the engine fails in-flight requests with EngineDeadError
+        message = f"{type(e).__name__}: {e}"
+        logger.error("worker %d failed:\n%s", rank, traceback.format_exc())
+        tx.send(WorkerFailure(rank, message))
+        return 1
+    finally:
+        if worker is not None:
+            worker.close()
+        rx.close()
+        tx.close()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asyncengine-worker")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--local-rank", type=int, default=None)
+    parser.add_argument("--broadcast", required=True)
+    parser.add_argument("--results", required=True)
+    parser.add_argument("--parent-fd", type=int, default=None)
+    parser.add_argument("--curve-keys", default=None, help="key file written by the head (TCP only)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("ASYNCENGINE_LOG_LEVEL", "WARNING"),
+                        format=f"%(asctime)s worker{args.rank} %(levelname)s %(message)s")
+    if args.parent_fd is not None:
+        watch_parent(args.parent_fd)
+    curve = load_client_keys(args.curve_keys) if args.curve_keys else None
+    endpoints = Endpoints(args.broadcast, args.results, curve)
+    return serve(args.rank, endpoints, args.local_rank)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

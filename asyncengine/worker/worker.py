@@ -1,0 +1,109 @@
+"""Worker: one per device. All communication lives here; the ModelRunner only computes.
+
+execute_model = prepare_worker_input -> execute_worker -> model_runner.prepare_model_input
+                -> receive IntermediateTensors (stages > 0) -> model_runner.execute_model
+                -> send IntermediateTensors (stages < last) or return the ModelOutput (last stage).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import torch
+
+from asyncengine.config import EngineConfig, layer_range
+from asyncengine.cuda.device import bind_device, dist_backend
+from asyncengine.layers.parallel import ParallelContext
+from asyncengine.layers.sampler import SamplerOutput
+from asyncengine.models.loader import get_model_config, model_dtype
+from asyncengine.transport.process_group import Topology, destroy_process_groups, init_process_groups
+from asyncengine.transport.stage_link import StageLink
+from asyncengine.transport.wire import ExecuteModelRequest, InitWorker, ModelOutput, pack_ids
+from asyncengine.worker.input_batch import InputBatch, StepBatch
+from asyncengine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 4 << 30
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return getattr(torch, config.dtype)
+    dtype = model_dtype(get_model_config(config.model))
+    if device.type == "cpu" and dtype == torch.float16:
+        return torch.bfloat16  # half-precision matmuls are slow on most CPUs; bf16 is well supported
+    return dtype
+
+
+class Worker:
+    def __init__(self, rank: int, init: InitWorker, local_rank: int | None = None) -> None:
+        self.config = config = msgspec.json.decode(init.config_json, type=EngineConfig)
+        self.topology = Topology(rank, config.pipeline_parallel_size, config.tensor_parallel_size)
+        self.device = bind_device(config.device, rank if local_rank is None else local_rank,
+                                  self.topology.world_size, config.num_threads)
+        groups = init_process_groups(self.topology, init.dist_init_method, dist_backend(self.device))
+        hf_config = get_model_config(config.model)
+        num_layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
+        start, end = layer_range(num_layers, self.topology.pp_rank, self.topology.pp_size, config.pp_layer_partition)
+        self.parallel = ParallelContext(
+            tp_rank=self.topology.tp_rank, tp_size=self.topology.tp_size, pp_rank=self.topology.pp_rank,
+            pp_size=self.topology.pp_size, layer_start=start, layer_end=end, tp_group=groups.tp_group,
+        )
+        self.dtype = resolve_dtype(config, self.device)
+        self.model_runner = ModelRunner(config, self.parallel, self.device, self.dtype, progress=rank == 0)
+        self.input_batch = InputBatch(self.device)
+        self.link = StageLink(self.topology.prev_stage_rank, self.topology.next_stage_rank, self.device)
+        self.vocab_size = int(getattr(hf_config, "vocab_size", 0))
+
+    # -- start-up ---------------------------------------------------------------------------------
+    def num_kv_blocks_that_fit(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.model_runner.kv_bytes_per_block
+        budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+        return max(1, budget // per_block)
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.model_runner.init_cache(num_blocks)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def prepare_worker_input(self, req: ExecuteModelRequest) -> StepBatch:
+        return self.input_batch.update(req)
+
+    def execute_worker(self, batch: StepBatch) -> None:
+        """Cache operations before the forward pass. Blocks are never shared while being written
+        (prefix caching only shares full, computed blocks), so there is nothing to copy or swap."""
+
+    def execute_model(self, req: ExecuteModelRequest) -> ModelOutput | None:
+        t0 = time.perf_counter()
+        batch = self.prepare_worker_input(req)
+        self.execute_worker(batch)
+        if not batch.seqs:
+            return ModelOutput(req.step_id, b"") if self.topology.is_driver else None
+        model_input = self.model_runner.prepare_model_input(batch)
+        intermediate = None
+        if not self.parallel.is_first_stage:
+            model = self.model_runner.model
+            intermediate = self.link.recv(model.intermediate_names, batch.num_tokens, model.hidden_size, self.dtype)
+        out = self.model_runner.execute_model(model_input, intermediate, sample=self.topology.is_driver)
+        self.input_batch.mark_computed(batch)
+        if not self.parallel.is_last_stage:
+            assert isinstance(out, dict)
+            self.link.send(out)
+            return None
+        if not self.topology.is_driver:
+            return None
+        assert isinstance(out, SamplerOutput)
+        return ModelOutput(
+            step_id=req.step_id,
+            sampled_token_ids=pack_ids(out.token_ids),
+            logprobs=out.logprobs or [],
+            execute_us=int((time.perf_counter() - t0) * 1e6),
+        )
+
+    def close(self) -> None:
+        self.link.wait_sent()
+        destroy_process_groups()

@@ -1,0 +1,21 @@
+"""Shared test setup and fixtures.
+
+tests/ goes at the END of sys.path (for `from tiny_models import ...`): tests/asyncengine mirrors the
+package, and must never shadow the real `asyncengine`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+# Triton's interpreter is chosen when triton is first imported: decide before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:
+    sys.path.append(_TESTS_DIR)
