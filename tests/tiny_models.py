@@ -60,3 +60,50 @@ def build_tiny_model(arch: str, path: Path, seed: int = 0, dtype: torch.dtype = 
 def load_hf(path: Path) -> Any:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.eval()
+
+
+TOKENIZER_CORPUS = [
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. Héllo wörld! ¿Qué tal? Ça va.",
+    "日本語のテキスト、中文文本、한국어 텍스트 🙂🚀✨ emoji and multi-byte characters.",
+    "import os\nimport sys\nprint('hello world')\nclass Foo:\n    pass\n",
+] * 20
+
+
+def build_tokenizer(path: Path, vocab_size: int = 400) -> Path:
+    """A byte-level BPE tokenizer trained on a tiny corpus, saved as an HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(path)
+    return path
+
+
+def build_tiny_model_with_tokenizer(arch: str, path: Path, **overrides: Any) -> Path:
+    build_tiny_model(arch, path, vocab_size=512, **overrides)
+    build_tokenizer(path)
+    return path
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt, EOS ignored."""
+    hf = load_hf(model_dir)
+    hf.generation_config.eos_token_id = None  # run to max_new_tokens, like ignore_eos=True
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = hf.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out

@@ -32,6 +32,12 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)  # copy_ also moves to the parameter's device and casts to its dtype
 
 
+def check_dim(loaded: torch.Tensor, dim: int, expected: int) -> None:
+    """A TP slice of a wrong-sized tensor would load silently; compare the full size first."""
+    if loaded.dim() <= dim or loaded.shape[dim] != expected:
+        raise ModelLoadError(f"shape mismatch: expected size {expected} in dim {dim}, checkpoint has {tuple(loaded.shape)}")
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
     """For replicated parameters (norms, position embeddings): the whole tensor, shape checked."""
     copy_checked(param.data, loaded)
@@ -43,7 +49,7 @@ def load_into(param: nn.Parameter, name: str, loaded: torch.Tensor, shard_id: An
     try:
         with torch.no_grad():
             loader(param, loaded, shard_id)
-    except ModelLoadError as e:
+    except (ModelLoadError, RuntimeError, IndexError) as e:
         raise ModelLoadError(f"{name}: {e}") from e
 
 
@@ -84,6 +90,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         size = param.shape[0]
+        check_dim(loaded, 0, size * self.parallel.tp_size)
         copy_checked(param.data, loaded.narrow(0, self.parallel.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp] (or [T, out] gathered)
@@ -112,6 +119,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = self.parallel.tp_size
         offset = sum(self.output_sizes[:shard_id]) // tp
         size = self.output_sizes[shard_id] // tp
+        check_dim(loaded, 0, self.output_sizes[shard_id])
         copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, self.parallel.tp_rank * size, size))
 
 
@@ -156,7 +164,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         if shard_id is None:
             total_kv = self.total_num_kv_heads * self.head_dim
             sizes = [self.total_num_heads * self.head_dim, total_kv, total_kv]
-            for sid, part in zip(("q", "k", "v"), loaded.split(sizes, dim=0)):
+            for sid, part in zip(("q", "k", "v"), loaded.split(sizes, dim=0), strict=True):
                 self.weight_loader(param, part, sid)
             return
         rank = self.parallel.tp_rank
@@ -167,6 +175,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, src_index = self.kv_size, rank // self.kv_replicas
         else:
             raise ValueError(f"unknown qkv shard {shard_id!r}")
+        total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        check_dim(loaded, 0, total_heads * self.head_dim)
         copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, src_index * size, size))
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -192,6 +202,7 @@ class RowParallelLinear(_ParallelLinear):
             copy_checked(param.data, loaded)
             return
         size = param.shape[1]
+        check_dim(loaded, 1, size * self.parallel.tp_size)
         copy_checked(param.data, loaded.narrow(1, self.parallel.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]

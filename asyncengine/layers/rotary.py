@@ -107,7 +107,7 @@ def apply_rotary(
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, rotary_dim / 2]
     x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     # same products and sums as HF's q * cos + rotate_half(q) * sin, so results match bit for bit
-    out = torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, rest), dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
     return out.flatten(1)
 
 

@@ -17,7 +17,12 @@ from torch import nn
 from asyncengine.layers.activation import ActAndMul
 from asyncengine.layers.attention import Attention
 from asyncengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from asyncengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, load_into
+from asyncengine.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    load_into,
+)
 from asyncengine.layers.norm import RMSNorm
 from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
 from asyncengine.layers.rotary import RotaryEmbedding, apply_rotary, max_rope_positions

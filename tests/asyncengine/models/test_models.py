@@ -68,7 +68,7 @@ def make_meta(
         block_tables = torch.zeros(len(query_lens), 1, dtype=torch.int32)
     else:
         slot_list = []
-        for q_len, s_len, table in zip(query_lens, seq_lens, tables):
+        for q_len, s_len, table in zip(query_lens, seq_lens, tables, strict=True):
             slot_list += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(s_len - q_len, s_len)]
         slots = torch.tensor(slot_list, dtype=torch.int64)
         width = max(len(t) for t in tables)
@@ -134,8 +134,8 @@ def paged_steps(model: Any, vocab: int, seed: int = 2) -> tuple[list[torch.Tenso
     outputs: list[torch.Tensor] = []
     for q_lens in STEP_QUERY_LENS:
         new = [torch.randint(0, vocab, (q,), generator=g) for q in q_lens]
-        positions = torch.cat([torch.arange(len(s), len(s) + q) for s, q in zip(seqs, q_lens)])
-        seqs = [torch.cat([s, t]) for s, t in zip(seqs, new)]
+        positions = torch.cat([torch.arange(len(s), len(s) + q) for s, q in zip(seqs, q_lens, strict=True)])
+        seqs = [torch.cat([s, t]) for s, t in zip(seqs, new, strict=True)]
         meta = make_meta(q_lens, [len(s) for s in seqs], tables)
         outputs.append(run(model, torch.cat(new), positions, meta))
     return seqs, outputs
@@ -145,7 +145,7 @@ def check_paged_against_hf(hf: Any, seqs: list[torch.Tensor], outputs: list[torc
     """Each step's rows for sequence i must equal HF's logits at the same positions of the full sequence."""
     full = [hf_logits(hf, s) for s in seqs]  # [len_i, vocab]
     done = [0, 0, 0]
-    for q_lens, out in zip(STEP_QUERY_LENS, outputs):
+    for q_lens, out in zip(STEP_QUERY_LENS, outputs, strict=True):
         row = 0
         for i, q in enumerate(q_lens):
             torch.testing.assert_close(out[row : row + q], full[i][done[i] : done[i] + q], atol=ATOL, rtol=0)
@@ -365,3 +365,50 @@ def test_partial_rotary_leaves_tail_untouched() -> None:
     out = apply_rotary(x, cos, sin, 16).view(5, 2, 16)
     torch.testing.assert_close(out[..., 8:], x.view(5, 2, 16)[..., 8:])
     assert not torch.allclose(out[1:, :, :8], x.view(5, 2, 16)[1:, :, :8])
+
+
+def test_sharded_checkpoint_with_progress_bar(model_dir: Any, tmp_path: Path) -> None:
+    hf = load_hf(model_dir("llama", "llama"))
+    path = tmp_path / "sharded"
+    hf.save_pretrained(path, max_shard_size="100KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    model = load_model(str(path), ParallelContext(), torch.float32, CPU, progress=True)
+    prompts = prompts_for(hf.config.vocab_size)
+    expected = torch.cat([hf_logits(hf, p, start) for p, start in prompts])
+    torch.testing.assert_close(packed_prefill(model, prompts), expected, atol=ATOL, rtol=0)
+    (path / sorted(set(index["weight_map"].values()))[-1]).unlink()
+    with pytest.raises(ModelLoadError, match="missing"):
+        load_model(str(path), ParallelContext(), torch.float32, CPU)
+
+
+def test_gpt2_legacy_checkpoint_names(tmp_path: Path) -> None:
+    """OpenAI-era GPT-2 files: no `transformer.` prefix and causal-mask buffers saved as attn.bias."""
+    path = build_tiny_model("gpt2", tmp_path / "m")
+    hf = load_hf(path)
+
+    def legacy(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in tensors if n.startswith("transformer.")]:
+            tensors[name.removeprefix("transformer.")] = tensors.pop(name)
+        tensors["h.0.attn.bias"] = torch.ones(1, 1, 8, 8)
+        tensors["h.0.attn.masked_bias"] = torch.tensor(-1e4)
+
+    _rewrite_weights(path, legacy)
+    model = load_model(str(path), ParallelContext(), torch.float32, CPU)
+    prompts = prompts_for(hf.config.vocab_size)
+    expected = torch.cat([hf_logits(hf, p, start) for p, start in prompts])
+    torch.testing.assert_close(packed_prefill(model, prompts), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_bfloat16_shard_runs_close_to_float32(model_dir: Any, arch: str) -> None:
+    path = model_dir(arch, arch)
+    model = load_model(str(path), ParallelContext(), torch.bfloat16, CPU)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(b.dtype == torch.float32 for n, b in model.named_buffers() if n.endswith(("cos", "sin")))
+    hf = load_hf(path)
+    prompts = prompts_for(hf.config.vocab_size)
+    logits = packed_prefill(model, prompts)
+    assert logits.dtype == torch.float32
+    expected = torch.cat([hf_logits(hf, p, start) for p, start in prompts])
+    torch.testing.assert_close(logits, expected, atol=2e-2, rtol=0)  # logits here are ~0.2 in size
