@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Generic, TypeVar
 
 import msgspec
-
 from asyncengine.transport.wire import EngineMessage, WorkerMessage
 
 T = TypeVar("T")

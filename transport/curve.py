@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 import zmq
-
 from asyncengine.transport.channels import CurveKeys
 
 

@@ -10,7 +10,6 @@ Token-id lists that can be long (prompts) travel as packed little-endian int32 b
 from __future__ import annotations
 
 from array import array
-from typing import Union
 
 import msgspec
 
@@ -88,7 +87,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-EngineMessage = Union[ExecuteModelRequest, InitWorker, InitCache, Shutdown]
+EngineMessage = ExecuteModelRequest | InitWorker | InitCache | Shutdown
 
 
 class TokenLogprobs(msgspec.Struct, **HOT):
@@ -124,4 +123,4 @@ class WorkerFailure(msgspec.Struct, tag="failure", array_like=True):
     fatal: bool = True
 
 
-WorkerMessage = Union[ModelOutput, WorkerReady, CacheReady, WorkerFailure]
+WorkerMessage = ModelOutput | WorkerReady | CacheReady | WorkerFailure
