@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from asyncengine.config import EngineConfig
-from asyncengine.errors import EngineDeadError
+from asyncengine.errors import ConfigError, EngineDeadError, ModelLoadError
 from asyncengine.transport.channels import (
     BroadcastSender,
     ChannelTimeout,
@@ -45,6 +45,14 @@ logger = logging.getLogger(__name__)
 
 LIVENESS_POLL_S = 0.5
 
+# worker-side exception names that mean "your model or settings are wrong", not "a worker crashed"
+STARTUP_ERRORS: dict[str, type[Exception]] = {
+    "ModelLoadError": ModelLoadError,
+    "ConfigError": ConfigError,
+    "KVCacheTooSmallError": ConfigError,
+    "DeviceError": ConfigError,
+}
+
 
 class Executor:
     def __init__(self, config: EngineConfig) -> None:
@@ -62,6 +70,7 @@ class Executor:
         self.vocab_size = 0
         self.dead_reason: str | None = None
         self.last_encode_bytes = 0
+        self.failure: WorkerFailure | None = None
 
     # -- start-up ---------------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -78,6 +87,16 @@ class Executor:
         os.close(read_fd)
 
     async def start(self, load_timeout_s: float = 900.0) -> None:
+        """Raises ModelLoadError / ConfigError for a bad model or setting, EngineDeadError otherwise."""
+        try:
+            await self._start(load_timeout_s)
+        except EngineDeadError:
+            failure = self.failure
+            if failure is not None and failure.error_type in STARTUP_ERRORS:
+                raise STARTUP_ERRORS[failure.error_type](failure.message.split(": ", 1)[-1]) from None
+            raise
+
+    async def _start(self, load_timeout_s: float) -> None:
         self._spawn()
         try:
             await asyncio.to_thread(self.sender.wait_for_subscribers, self.world_size, 60.0)
@@ -128,6 +147,7 @@ class Executor:
                 logger.error("dropped a malformed worker message: %s", e)
                 continue
             if isinstance(msg, WorkerFailure):
+                self.failure = msg
                 self._die(f"worker {msg.rank} failed: {msg.message}")
             return msg
 

@@ -120,7 +120,7 @@ class WorkerFailure(msgspec.Struct, tag="failure", array_like=True):
     rank: int
     message: str
     step_id: int = -1
-    fatal: bool = True
+    error_type: str = ""  # the exception's class name, so start-up errors keep their type
 
 
 WorkerMessage = ModelOutput | WorkerReady | CacheReady | WorkerFailure

@@ -81,7 +81,7 @@ def serve(rank: int, endpoints: Endpoints, local_rank: int | None = None) -> int
     except Exception as e:  # report, then die: the engine fails in-flight requests with EngineDeadError
         message = f"{type(e).__name__}: {e}"
         logger.error("worker %d failed:\n%s", rank, traceback.format_exc())
-        tx.send(WorkerFailure(rank, message))
+        tx.send(WorkerFailure(rank, message, error_type=type(e).__name__))
         return 1
     finally:
         if worker is not None:

@@ -1,0 +1,114 @@
+"""BlockManager and Scheduler without workers: reference counts, prefix caching, budgets, preemption."""
+
+from __future__ import annotations
+
+from asyncengine.block_manager import BlockManager
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.scheduler import Scheduler
+from asyncengine.sequence import Sequence, SequenceStatus
+
+_ids = iter(range(10**9))
+
+
+def seq(tokens: list[int], max_tokens: int = 8) -> Sequence:
+    n = next(_ids)
+    return Sequence(n, 0, tokens, SamplingParams(max_tokens=max_tokens), max_tokens, n)
+
+
+def finish_step(sched: Scheduler, out) -> None:
+    for s, num in out.scheduled:
+        sched.on_step_done(s, num)
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(7)
+
+
+def test_prefix_cache_hit_shares_blocks_and_refcounts() -> None:
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = seq(list(range(10)))
+    assert bm.allocate(a, 10)
+    a.num_computed_tokens = 10
+    bm.register_computed(a)  # two full blocks are now cached
+    b = seq(list(range(8)) + [99, 98, 97])
+    bm.match_prefix(b)
+    assert b.num_computed_tokens == 8 and b.block_ids == a.block_ids[:2]
+    assert bm.ref_counts[a.block_ids[0]] == 2
+    bm.free_seq(a)
+    assert bm.ref_counts[b.block_ids[0]] == 1
+    bm.free_seq(b)
+    assert bm.num_free_blocks == 10
+    # freed blocks keep their hash until evicted, so the prefix is still found
+    c = seq(list(range(9)))
+    bm.match_prefix(c)
+    assert c.num_computed_tokens == 8
+
+
+def test_prefix_match_always_leaves_a_token_to_compute() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq(list(range(8)))
+    bm.allocate(a, 8)
+    a.num_computed_tokens = 8
+    bm.register_computed(a)
+    b = seq(list(range(8)))
+    bm.match_prefix(b)
+    assert b.num_computed_tokens == 4  # the last block is recomputed to get logits
+
+
+def test_eviction_reuses_lru_cached_blocks() -> None:
+    bm = BlockManager(num_blocks=2, block_size=4)
+    a = seq(list(range(8)))
+    bm.allocate(a, 8)
+    a.num_computed_tokens = 8
+    bm.register_computed(a)
+    bm.free_seq(a)
+    b = seq([50] * 8)
+    assert bm.allocate(b, 8)  # evicts both cached blocks
+    assert not bm.cached or all(bm.block_hash[i] is None for i in b.block_ids)
+    c = seq(list(range(8)))
+    bm.match_prefix(c)
+    assert c.num_computed_tokens == 0
+
+
+def test_scheduler_budget_chunks_prompts() -> None:
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=10, max_model_len=256)
+    long, short = seq(list(range(25))), seq([1, 2, 3])
+    sched.add(long)
+    sched.add(short)
+    out = sched.schedule()
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(long.seq_id, 10)]
+    finish_step(sched, out)
+    out = sched.schedule()
+    assert [n for _, n in out.scheduled] == [10]
+    finish_step(sched, out)
+    out = sched.schedule()
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(long.seq_id, 5), (short.seq_id, 3)]
+
+
+def test_scheduler_preempts_newest_and_keeps_in_flight() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=16)
+    a, b = seq(list(range(4))), seq(list(range(10, 14)))
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert len(out.scheduled) == 2
+    finish_step(sched, out)
+    # at 9 tokens each needs a third block: 6 > 4, so b (the newest) is preempted
+    for _ in range(6):
+        out = sched.schedule()
+        finish_step(sched, out)
+    assert sched.num_preemptions >= 1
+    assert b.status == SequenceStatus.WAITING or b.num_computed_tokens < b.num_tokens
+    assert a.status == SequenceStatus.RUNNING
+
+
+def test_in_flight_sequences_are_not_rescheduled() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    a = seq([1, 2, 3])
+    sched.add(a)
+    first = sched.schedule()
+    assert len(first.scheduled) == 1
+    assert sched.schedule().scheduled == []  # a is in flight: nothing else to do
+    finish_step(sched, first)
+    assert len(sched.schedule().scheduled) == 1
