@@ -44,4 +44,4 @@ def test_byte_fallback_split_character_is_held_back(tokenizer) -> None:
 def test_find_stop_only_searches_new_text() -> None:
     assert find_stop("abc STOP def", ["STOP"], 5) == (4, "STOP")
     assert find_stop("STOP then more", ["STOP"], 10) is None
-    assert find_stop("xxSTOyyST", ["STOP", "yy"], 5) == (6, "yy")
+    assert find_stop("xxSTOyyST", ["STOP", "yy"], 5) == (5, "yy")
