@@ -61,6 +61,8 @@ class EngineConfig:
                 raise ConfigError("pp_layer_partition needs one entry per pipeline stage")
             if any(n < 1 for n in self.pp_layer_partition):
                 raise ConfigError("every pipeline stage needs at least one layer")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if not Path(self.model).is_dir():

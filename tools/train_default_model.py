@@ -115,7 +115,7 @@ class TrainHParams:
     steps: int = 1100
     batch_size: int = 16
     seq_len: int = 256
-    lr: float = 3e-3
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 60
     weight_decay: float = 0.1
@@ -463,7 +463,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 1100, or 30 with --quick)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the shipped run used 1)")
     p.add_argument("--quick", action="store_true", help="tiny model and corpus: a smoke test, well under a minute")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 3e-3)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 2e-3)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--margin", type=float, default=0.05, help="test threshold = test-slice held-out loss + margin")
     return p.parse_args(argv)

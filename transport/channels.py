@@ -16,6 +16,7 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
+
 from asyncengine.transport.codec import Codec, engine_codec, worker_codec
 from asyncengine.transport.wire import EngineMessage, WorkerMessage
 

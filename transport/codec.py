@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Generic, TypeVar
 
 import msgspec
+
 from asyncengine.transport.wire import EngineMessage, WorkerMessage
 
 T = TypeVar("T")

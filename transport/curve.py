@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import zmq
+
 from asyncengine.transport.channels import CurveKeys
 
 

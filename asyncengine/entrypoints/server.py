@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,20 +89,20 @@ class ServerState:
             return "shutting_down"
         return "ok"
 
-    @contextmanager
-    def live_request(self) -> Iterator[None]:
-        """Holds one slot of the global live-request limit (429 when it is full)."""
-        if self.live >= self.limits.max_live_requests:
+    def acquire(self, count: int = 1) -> int:
+        """Takes `count` slots of the global live-request limit (429 when they are not free)."""
+        if self.live + count > self.limits.max_live_requests:
             raise TooManyRequestsError(f"the server has {self.live} live requests "
                                        f"(limit {self.limits.max_live_requests}); retry later")
-        self.live += 1
+        self.live += count
         self._idle.clear()
-        try:
-            yield
-        finally:
-            self.live -= 1
-            if self.live == 0:
-                self._idle.set()
+        return count
+
+    def release(self, count: int = 1) -> None:
+        self.live -= count
+        if self.live <= 0:
+            self.live = 0
+            self._idle.set()
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuses new requests and waits up to timeout_s for live ones; True if all finished."""

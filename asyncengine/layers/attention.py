@@ -22,7 +22,7 @@ from torch import nn
 class AttentionMetadata:
     """Describes one flattened batch: sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 marks padding rows that write nothing
+    slot_mapping: torch.Tensor  # [num_tokens] int64; padding rows point at the scratch block
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new tokens)
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
@@ -95,19 +95,17 @@ def write_kv_cache(
     v: torch.Tensor,
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
+    """Stores this step's keys and values at their slots.
+
+    NOTE: unconditional on purpose (no masking of -1 slots): a data-dependent branch would force a
+    device sync, which CUDA-graph capture forbids. Padding rows point at the scratch block the model
+    runner allocates past the last real block.
+    """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    valid = slot_mapping >= 0
-    if bool(valid.all()):
-        flat_k.index_copy_(0, slot_mapping, k)
-        flat_v.index_copy_(0, slot_mapping, v)
-    else:
-        slots = slot_mapping[valid]
-        flat_k.index_copy_(0, slots, k[valid])
-        flat_v.index_copy_(0, slots, v[valid])
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 class Attention(nn.Module):

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from asyncengine.config import EngineConfig
+from asyncengine.cuda.graph_runner import GraphRunner, ModelInputs
 from asyncengine.layers.attention import Attention, AttentionMetadata, forward_context
 from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
 from asyncengine.layers.sampler import Sampler, SamplerOutput, SamplingRow
@@ -31,8 +32,9 @@ class ModelInput(NamedTuple):
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, parallel: ParallelContext, device: torch.device,
-                 dtype: torch.dtype, progress: bool = False) -> None:
+                 dtype: torch.dtype, max_model_len: int, progress: bool = False) -> None:
         self.config = config
+        self.max_model_len = max_model_len
         self.parallel = parallel
         self.device = device
         self.dtype = dtype
@@ -41,6 +43,8 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler(config.seed, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graph_runner: GraphRunner | None = None
+        self._decode_meta: AttentionMetadata | None = None  # host facts of the decode step being run
 
     # -- KV cache ---------------------------------------------------------------------------------
     @property
@@ -49,12 +53,51 @@ class ModelRunner:
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem for a in self.attention_layers)
 
     def init_cache(self, num_blocks: int) -> None:
+        """Allocates every layer's cache, plus one scratch block that padding rows write into."""
         self.kv_caches = []
         for layer in self.attention_layers:
-            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            shape = (num_blocks + 1, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append((layer.k_cache, layer.v_cache))
+        # Decode steps of the first stage go through the GraphRunner: CUDA graphs on a GPU, padded
+        # static buffers everywhere. Later stages receive their input from the previous stage and run
+        # eagerly (see docs/architecture.md).
+        if self.parallel.is_first_stage:
+            self.graph_runner = GraphRunner(
+                self._decode_forward,
+                max_num_seqs=self.config.max_num_seqs,
+                max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+                device=self.device,
+                cuda_graph_sizes=self.config.cuda_graph_sizes,
+                enforce_eager=self.config.enforce_eager,
+                pad_slot_id=num_blocks * self.block_size,
+            )
+
+    def capture_graphs(self) -> None:
+        if self.graph_runner is not None:
+            self.graph_runner.capture()
+
+    def close(self) -> None:
+        # NOTE: graphs go before the process groups do (the worker destroys those after this)
+        if self.graph_runner is not None:
+            self.graph_runner.close()
+
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor) -> torch.Tensor | IntermediateTensors:
+        """The forward the GraphRunner captures / runs on its (padded) static buffers."""
+        n = input_ids.shape[0]
+        host = self._decode_meta
+        seq_lens_cpu = list(host.seq_lens_cpu) if host is not None else []
+        seq_lens_cpu += [0] * (n - len(seq_lens_cpu))  # padding rows attend over nothing
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_tables=block_tables, query_lens_cpu=[1] * n, seq_lens_cpu=seq_lens_cpu, max_query_len=1,
+            max_seq_len=max(host.max_seq_len if host is not None else 1, 1),
+        )
+        with forward_context(meta):
+            return self.model(input_ids, positions, None)
 
     # -- inputs -----------------------------------------------------------------------------------
     def prepare_model_input(self, batch: StepBatch) -> ModelInput:
@@ -112,8 +155,16 @@ class ModelRunner:
     def execute_model(self, model_input: ModelInput, intermediate: IntermediateTensors | None,
                       sample: bool = True) -> IntermediateTensors | SamplerOutput | None:
         """Runs the shard; on the last stage returns the sampled tokens (None where `sample` is False)."""
-        with forward_context(model_input.meta):
-            out = self.model(model_input.input_ids, model_input.positions, intermediate)
+        meta = model_input.meta
+        if self.graph_runner is not None and intermediate is None and meta.is_decode_only:
+            self._decode_meta = meta
+            out = self.graph_runner.run(ModelInputs(
+                model_input.input_ids, model_input.positions, meta.slot_mapping, meta.block_tables,
+                meta.seq_lens, meta.query_start_loc,
+            ))
+        else:
+            with forward_context(meta):
+                out = self.model(model_input.input_ids, model_input.positions, intermediate)
         if not self.parallel.is_last_stage:
             return out
         if not model_input.sampling_rows:
@@ -122,3 +173,27 @@ class ModelRunner:
         if not sample:  # other TP ranks join compute_logits' all-gather but leave sampling to rank 0
             return None
         return self.sampler(logits, model_input.sampling_rows)
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One forward at the full token budget with no cache bound: the activation peak for sizing."""
+        budget = self.config.max_num_batched_tokens
+        lens = [min(self.max_model_len, budget - i) for i in range(0, budget, self.max_model_len)]
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        query_start = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(budget, dtype=torch.long, device=self.device),
+            query_start_loc=query_start.to(self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros((len(lens), 1), dtype=torch.int32, device=self.device),
+            query_lens_cpu=lens, seq_lens_cpu=lens, max_query_len=max(lens), max_seq_len=max(lens),
+        )
+        intermediate = None
+        if not self.parallel.is_first_stage:
+            intermediate = {name: torch.zeros(budget, self.model.hidden_size, dtype=self.dtype, device=self.device)
+                            for name in self.model.intermediate_names}
+        ids = torch.zeros(budget, dtype=torch.long, device=self.device)
+        with forward_context(meta):
+            out = self.model(ids, positions, intermediate)
+        if self.parallel.is_last_stage:
+            self.model.compute_logits(out[-min(budget, self.config.max_num_seqs):])

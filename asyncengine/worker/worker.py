@@ -7,6 +7,7 @@ execute_model = prepare_worker_input -> execute_worker -> model_runner.prepare_m
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 
@@ -15,9 +16,11 @@ import torch
 
 from asyncengine.config import EngineConfig, layer_range
 from asyncengine.cuda.device import bind_device, dist_backend
+from asyncengine.cuda.memory import profile_and_size, size_kv_cache_cpu
+from asyncengine.layers.attention import AttentionBackend, set_attention_backend
 from asyncengine.layers.parallel import ParallelContext
 from asyncengine.layers.sampler import SamplerOutput
-from asyncengine.models.loader import get_model_config, model_dtype
+from asyncengine.models.loader import get_model_config, model_dtype, model_max_len
 from asyncengine.transport.process_group import Topology, destroy_process_groups, init_process_groups
 from asyncengine.transport.stage_link import StageLink
 from asyncengine.transport.wire import ExecuteModelRequest, InitWorker, ModelOutput, pack_ids
@@ -26,7 +29,6 @@ from asyncengine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 4 << 30
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
@@ -36,6 +38,19 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if device.type == "cpu" and dtype == torch.float16:
         return torch.bfloat16  # half-precision matmuls are slow on most CPUs; bf16 is well supported
     return dtype
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """"auto" = Triton on CUDA (when installed), the PyTorch reference elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+    if name == "triton":
+        from asyncengine.layers.attention_triton import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from asyncengine.layers.attention_torch import TorchAttentionBackend
+
+    return TorchAttentionBackend()
 
 
 class Worker:
@@ -53,21 +68,30 @@ class Worker:
             pp_size=self.topology.pp_size, layer_start=start, layer_end=end, tp_group=groups.tp_group,
         )
         self.dtype = resolve_dtype(config, self.device)
-        self.model_runner = ModelRunner(config, self.parallel, self.device, self.dtype, progress=rank == 0)
+        set_attention_backend(make_attention_backend(config.attention_backend, self.device))
+        limit = model_max_len(hf_config)
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.model_runner = ModelRunner(config, self.parallel, self.device, self.dtype, self.max_model_len,
+                                        progress=rank == 0)
         self.input_batch = InputBatch(self.device)
         self.link = StageLink(self.topology.prev_stage_rank, self.topology.next_stage_rank, self.device)
         self.vocab_size = int(getattr(hf_config, "vocab_size", 0))
 
     # -- start-up ---------------------------------------------------------------------------------
     def num_kv_blocks_that_fit(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        per_block = self.model_runner.kv_bytes_per_block
-        budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
-        return max(1, budget // per_block)
+        """Sizes the KV cache: the configured count, or what fits after a profiled forward (GPU) or in
+        the byte budget (CPU). Raises KVCacheTooSmallError when one max_model_len sequence won't fit."""
+        cfg, per_block = self.config, self.model_runner.kv_bytes_per_block
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if self.device.type == "cuda":
+            return profile_and_size(self.model_runner.profile_run, per_block, cfg.gpu_memory_utilization,
+                                    block_size=cfg.block_size, max_model_len=self.max_model_len, device=self.device)
+        return size_kv_cache_cpu(per_block, cfg.block_size, self.max_model_len, cfg.kv_cache_memory_bytes)
 
     def init_cache(self, num_blocks: int) -> None:
         self.model_runner.init_cache(num_blocks)
+        self.model_runner.capture_graphs()
 
     # -- the step ---------------------------------------------------------------------------------
     def prepare_worker_input(self, req: ExecuteModelRequest) -> StepBatch:
@@ -105,5 +129,6 @@ class Worker:
         )
 
     def close(self) -> None:
+        self.model_runner.close()
         self.link.wait_sent()
         destroy_process_groups()

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from asyncengine.cuda import device as device_mod
 from asyncengine.cuda.device import (
     DeviceError,

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from asyncengine.cuda.graph_runner import PAD_SEQ_LEN, GraphRunner, ModelInputs, default_capture_sizes
 
 MAX_BLOCKS = 4
@@ -176,7 +177,6 @@ def test_cuda_graph_replay_matches_eager_bit_for_bit():
 def test_cuda_graph_with_triton_decode_kernel():
     pytest.importorskip("triton")
     from asyncengine.cuda.triton_attention import paged_attention_decode
-
     from asyncengine.layers.attention_torch import gather_kv
 
     block_size, num_blocks, heads, kv_heads, head_dim = 16, 64, 4, 2, 80

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from asyncengine.cuda import memory
 from asyncengine.cuda.memory import (
     GiB,
