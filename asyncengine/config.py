@@ -44,6 +44,15 @@ class EngineConfig:
     attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton"})
     step_timeout: float = field(default=60.0, metadata={"help": "seconds a step may take before workers are dead"})
     num_threads: int | None = field(default=None, metadata={"help": "torch threads per CPU worker"})
+    nnodes: int = field(default=1, metadata={
+        "help": "nodes running workers; above 1 the head listens on TCP with CURVE and each other node runs "
+                "`asyncengine worker --head HEAD_HOST:HEAD_PORT --node-rank N --key-file F`"})
+    head_host: str = field(default="127.0.0.1", metadata={
+        "help": "address the head binds for other nodes (ZeroMQ and the torch.distributed rendezvous)"})
+    head_port: int | None = field(default=None, metadata={
+        "help": "with nnodes > 1: TCP port of the step broadcast; results use head_port + 1"})
+    key_file: str | None = field(default=None, metadata={
+        "help": "with nnodes > 1: where the head writes the CURVE key file (0600) to copy to the other nodes"})
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -63,6 +72,12 @@ class EngineConfig:
                 raise ConfigError("every pipeline stage needs at least one layer")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.nnodes < 1 or self.world_size % self.nnodes:
+            raise ConfigError(f"nnodes must be >= 1 and divide the world size {self.world_size}, got {self.nnodes}")
+        if self.nnodes > 1 and (self.head_port is None or self.key_file is None):
+            raise ConfigError("nnodes > 1 needs head_port and key_file")
+        if self.head_port is not None and not 0 < self.head_port < 65535:
+            raise ConfigError(f"head_port must be in [1, 65534] (results use head_port + 1), got {self.head_port}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if not Path(self.model).is_dir():
@@ -71,6 +86,11 @@ class EngineConfig:
     @property
     def world_size(self) -> int:
         return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    @property
+    def nproc_per_node(self) -> int:
+        """Workers per node: node N holds ranks N * nproc_per_node .. (N + 1) * nproc_per_node - 1."""
+        return self.world_size // self.nnodes
 
     @property
     def tokenizer_path(self) -> str:

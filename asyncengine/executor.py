@@ -3,6 +3,14 @@
 Workers are started by their entry point (`python -m asyncengine.worker.main`), never by pickling an
 object into them. Each holds the read end of a pipe whose write end only this process has: when the
 engine process dies, however it dies, the workers see EOF and exit.
+
+Several nodes (nnodes > 1): this process is the head. It starts the ranks of node 0 itself; node N's
+launcher (`asyncengine worker --head HOST:PORT --node-rank N --key-file F`) starts ranks
+N * nproc .. N * nproc + nproc - 1. The sockets listen on TCP only then: the step broadcast on
+head_port, the results on head_port + 1, both CURVE-encrypted, and a ZAP allowlist admits only the
+client key of the key file the head writes (0600) for the user to copy. Everything else a remote
+worker needs (config, torch.distributed rendezvous address) arrives in InitWorker over that channel.
+A worker whose connection drops (its XPUB subscription goes away) makes the engine dead at once.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from asyncengine.transport.channels import (
     Endpoints,
     ResultReceiver,
 )
-from asyncengine.transport.process_group import free_port
+from asyncengine.transport.curve import ClientAllowlist, generate_keys, write_key_file
+from asyncengine.transport.process_group import env_init_method, free_port, worker_env
 from asyncengine.transport.wire import (
     CacheReady,
     EngineMessage,
@@ -44,6 +53,8 @@ from asyncengine.transport.wire import (
 logger = logging.getLogger(__name__)
 
 LIVENESS_POLL_S = 0.5
+LOCAL_JOIN_TIMEOUT_S = 60.0
+REMOTE_JOIN_TIMEOUT_S = 600.0  # other nodes are started by hand, after copying the key file
 
 # worker-side exception names that mean "your model or settings are wrong", not "a worker crashed"
 STARTUP_ERRORS: dict[str, type[Exception]] = {
@@ -58,10 +69,20 @@ class Executor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size = config.world_size
-        self.endpoints = Endpoints.local()
-        self._ipc_dir = Path(self.endpoints.broadcast[len("ipc://"):]).parent
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
+        self._ipc_dir: Path | None = None
+        self._auth: list[ClientAllowlist] = []
+        if config.nnodes > 1:
+            assert config.head_port is not None and config.key_file is not None  # EngineConfig checks
+            keys = generate_keys()
+            write_key_file(keys, config.key_file)
+            self.endpoints = Endpoints.tcp(config.head_host, config.head_port, keys)
+            # NOTE: the allowlists must run before the sockets bind, or the first peers skip ZAP
+            self._auth = [ClientAllowlist(ctx, [keys.client_public]) for ctx in (self._sync_ctx, self._async_ctx)]
+        else:
+            self.endpoints = Endpoints.local()
+            self._ipc_dir = Path(self.endpoints.broadcast[len("ipc://"):]).parent
         self.sender = BroadcastSender(self._sync_ctx, self.endpoints)
         self.receiver = ResultReceiver(self._async_ctx, self.endpoints)
         self.procs: list[subprocess.Popen] = []
@@ -77,12 +98,13 @@ class Executor:
         read_fd, write_fd = os.pipe()
         os.set_inheritable(read_fd, True)
         self._death_pipe_w = write_fd  # not inheritable: only this process holds it
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        for rank in range(self.world_size):
-            cmd = [sys.executable, "-m", "asyncengine.worker.main", "--rank", str(rank),
+        keys = ["--curve-keys", str(self.config.key_file)] if self.endpoints.curve is not None else []
+        for rank in range(self.config.nproc_per_node):  # node 0's ranks; other nodes start their own
+            env = worker_env(os.environ, RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=self.world_size)
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            cmd = [sys.executable, "-m", "asyncengine.worker.main", "--rank", str(rank), "--local-rank", str(rank),
                    "--broadcast", self.endpoints.broadcast, "--results", self.endpoints.results,
-                   "--parent-fd", str(read_fd)]
+                   "--parent-fd", str(read_fd), *keys]
             self.procs.append(subprocess.Popen(cmd, pass_fds=(read_fd,), env=env, stdin=subprocess.DEVNULL))
         os.close(read_fd)
 
@@ -98,12 +120,8 @@ class Executor:
 
     async def _start(self, load_timeout_s: float) -> None:
         self._spawn()
-        try:
-            await asyncio.to_thread(self.sender.wait_for_subscribers, self.world_size, 60.0)
-        except ChannelTimeout as e:
-            self._check_alive()
-            raise EngineDeadError(f"workers did not connect: {e}") from None
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        await self._wait_for_workers()
+        init_method = env_init_method() or f"tcp://{_host(self.config.head_host)}:{free_port(self.config.head_host)}"
         config_json = msgspec.json.encode(self.config)
         self.sender.send(InitWorker(config_json, init_method, self.world_size))
         ready = await self._gather(WorkerReady, load_timeout_s)
@@ -111,6 +129,24 @@ class Executor:
         self.vocab_size = ready[0].vocab_size
         self.sender.send(InitCache(self.num_kv_blocks))
         await self._gather(CacheReady, load_timeout_s)
+
+    async def _wait_for_workers(self) -> None:
+        """Waits for every rank's subscription, checking the local workers' liveness meanwhile."""
+        remote = self.config.nnodes > 1
+        timeout_s = REMOTE_JOIN_TIMEOUT_S if remote else LOCAL_JOIN_TIMEOUT_S
+        if remote:
+            logger.warning("waiting for %d worker(s) of %d other node(s) on %s; copy %s to them",
+                           self.world_size - len(self.procs), self.config.nnodes - 1, self.endpoints.broadcast,
+                           self.config.key_file)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await asyncio.to_thread(self.sender.wait_for_subscribers, self.world_size, 1.0)
+                return
+            except ChannelTimeout as e:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(f"workers did not connect: {e}") from None
 
     async def _gather(self, kind: type, timeout_s: float) -> list:
         got: dict[int, WorkerMessage] = {}
@@ -135,13 +171,17 @@ class Executor:
         """The next message from any worker; EngineDeadError on failure, death or timeout."""
         deadline = time.monotonic() + max(timeout_s, 0.0)
         while True:
-            self._check_alive()
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
             left = deadline - time.monotonic()
             if left <= 0:
                 self._die(f"no answer from the workers within {timeout_s:.0f}s (step timeout)")
             try:
                 msg = await self.receiver.recv(min(LIVENESS_POLL_S, left))
             except ChannelTimeout:
+                # NOTE: liveness only once nothing is pending, so a failing worker's last report (sent
+                # just before it exits and unsubscribes) is read, not lost to "exited with code 1"
+                self._check_alive()
                 continue
             except msgspec.MsgspecError as e:
                 logger.error("dropped a malformed worker message: %s", e)
@@ -164,10 +204,14 @@ class Executor:
             code = p.poll()
             if code is not None:
                 self._die(f"worker {rank} (pid {p.pid}) exited with code {code}")
+        if self.sender.poll_unsubscribed():  # the only sign of life we get from another node's workers
+            self._die("a worker's connection to the engine dropped (its process or node died)")
 
     def _die(self, reason: str) -> None:
         self.dead_reason = reason
         logger.error("engine dead: %s", reason)
+        if self.config.nnodes > 1:  # other nodes' idle workers exit on it; busy ones on their gloo timeout
+            self.sender.send(Shutdown())
         self.kill_workers()
         raise EngineDeadError(reason)
 
@@ -194,12 +238,24 @@ class Executor:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+        # other nodes' workers: keep the socket open until each has gone (so Shutdown is delivered)
+        while self.config.nnodes > 1 and self.sender.poll_unsubscribed() < self.sender.subscribers:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         self.kill_workers()
         if self._death_pipe_w is not None:
             os.close(self._death_pipe_w)
             self._death_pipe_w = None
         self.sender.close()
         self.receiver.close()
+        for auth in self._auth:
+            auth.stop()
         self._sync_ctx.term()
         self._async_ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host  # IPv6 literal in a URL

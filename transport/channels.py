@@ -4,23 +4,36 @@ Engine:  BroadcastSender (XPUB, bind)   -> every worker's BroadcastReceiver (SUB
 Workers: ResultSender (PUSH, connect)   -> the engine's ResultReceiver (PULL, bind)
 
 XPUB tells the engine when each worker's subscription has arrived, so the first message is never
-lost to PUB/SUB's "slow joiner" race. Every receive is bounded in size (MAXMSGSIZE) and in time.
+lost to PUB/SUB's "slow joiner" race, and (XPUB_VERBOSER) when one goes away: a worker whose
+connection drops, on this host or another, is dead to the engine at once. Every receive is bounded
+in size (MAXMSGSIZE) and in time.
+
+Several nodes: the head binds TCP (broadcast on PORT, results on PORT + 1) with CURVE, and ZeroMQ
+heartbeats turn a peer that vanished without closing its connection into a disconnect.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from asyncengine.transport.codec import Codec, engine_codec, worker_codec
 from asyncengine.transport.wire import EngineMessage, WorkerMessage
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+HEARTBEAT_IVL_MS = 1000  # TCP only: ping the peer every second ...
+HEARTBEAT_TIMEOUT_MS = 10_000  # ... and drop the connection when it has been silent this long
+_AUTH_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class ChannelTimeout(TimeoutError):
@@ -50,6 +63,23 @@ class Endpoints:
         os.chmod(directory, 0o700)
         return cls(broadcast=f"ipc://{Path(directory) / 'broadcast'}", results=f"ipc://{Path(directory) / 'results'}")
 
+    @classmethod
+    def tcp(cls, host: str, port: int, curve: CurveKeys | None) -> Endpoints:
+        """The head's TCP layout: the step broadcast on `port`, the results on `port + 1`."""
+        host = f"[{host}]" if ":" in host else host  # IPv6 literal
+        return cls(broadcast=f"tcp://{host}:{port}", results=f"tcp://{host}:{port + 1}", curve=curve)
+
+    @property
+    def is_tcp(self) -> bool:
+        return self.broadcast.startswith("tcp://")
+
+
+def _heartbeat(sock: zmq.Socket, endpoint: str) -> None:
+    if endpoint.startswith("tcp://"):
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
 
 def _secure_server(sock: zmq.Socket, curve: CurveKeys | None) -> None:
     if curve is not None:
@@ -74,9 +104,12 @@ class BroadcastSender:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop a step because a worker is behind
         self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscription, duplicates included
+        self._sock.setsockopt(zmq.XPUB_VERBOSER, 1)  # ... and every unsubscription: a dropped connection
+        _heartbeat(self._sock, endpoints.broadcast)
         _secure_server(self._sock, endpoints.curve)
         self._sock.bind(endpoints.broadcast)
         self.subscribers = 0
+        self.unsubscribed = 0
 
     def wait_for_subscribers(self, count: int, timeout_s: float) -> None:
         poller = zmq.Poller()
@@ -85,9 +118,20 @@ class BroadcastSender:
         while self.subscribers < count:
             if not poller.poll(deadline_ms):
                 raise ChannelTimeout(f"{self.subscribers} of {count} workers subscribed within {timeout_s}s")
-            frame = self._sock.recv()
-            if frame[:1] == b"\x01":
-                self.subscribers += 1
+            self._count(self._sock.recv())
+
+    def _count(self, frame: bytes) -> None:
+        if frame[:1] == b"\x01":
+            self.subscribers += 1
+        elif frame[:1] == b"\x00":
+            self.unsubscribed += 1
+
+    def poll_unsubscribed(self) -> int:
+        """Counts the (un)subscriptions that arrived since the last call, without blocking; returns
+        how many subscribers have gone away in all: a worker's connection dropped (it died)."""
+        while self._sock.poll(0, zmq.POLLIN):
+            self._count(self._sock.recv())
+        return self.unsubscribed
 
     def send(self, message: EngineMessage) -> int:
         data = self._codec.encode(message)
@@ -112,15 +156,25 @@ class ResultReceiver:
         self._sock = ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        _heartbeat(self._sock, endpoints.results)
         _secure_server(self._sock, endpoints.curve)
         self._sock.bind(endpoints.results)
 
     async def recv(self, timeout_s: float | None) -> WorkerMessage:
         """Raises ChannelTimeout after timeout_s; msgspec errors on a malformed frame."""
-        if timeout_s is not None and not await self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            raise ChannelTimeout(f"no worker message within {timeout_s}s")
-        data = await self._sock.recv(copy=False)
-        return self._codec.decode(data.buffer)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if deadline is not None:
+                left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+                if not await self._sock.poll(left_ms, zmq.POLLIN):
+                    raise ChannelTimeout(f"no worker message within {timeout_s}s")
+            try:
+                data = await self._sock.recv(copy=False)
+            except zmq.Again:
+                # NOTE: a TCP peer's CURVE handshake can make the socket look readable with nothing to
+                # read (ZMQ_EVENTS says POLLIN, recv says EAGAIN): poll again
+                continue
+            return self._codec.decode(data.buffer)
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -135,12 +189,29 @@ class BroadcastReceiver:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        _heartbeat(self._sock, endpoints.broadcast)
         _secure_client(self._sock, endpoints.curve)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        # over TCP nothing else tells a worker that the head is gone (no shared pipe): watch the link
+        self._monitor = self._sock.get_monitor_socket(_LINK_EVENTS) if endpoints.is_tcp else None
+        self._connected = False
         self._sock.connect(endpoints.broadcast)
 
     def poll(self, timeout_ms: int) -> bool:
         return bool(self._sock.poll(timeout_ms, zmq.POLLIN))
+
+    def link_lost(self) -> str | None:
+        """TCP only, non-blocking: why the link to the engine is gone (it was up and dropped, or the
+        engine refused our keys), else None. ZeroMQ would silently reconnect; a worker must not."""
+        while self._monitor is not None and self._monitor.poll(0, zmq.POLLIN):
+            event = zmq.utils.monitor.parse_monitor_message(self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected = True
+            elif event in _AUTH_FAILED:
+                return "the engine refused this worker's CURVE keys (a key file from another head?)"
+            elif event == zmq.EVENT_DISCONNECTED and self._connected:
+                return "the connection to the engine dropped"
+        return None
 
     def recv_bytes(self) -> bytes:
         return self._sock.recv(copy=False).buffer
@@ -149,6 +220,9 @@ class BroadcastReceiver:
         return self._codec.decode(data)
 
     def close(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
         self._sock.close(linger=0)
 
 
@@ -159,6 +233,7 @@ class ResultSender:
         self._codec: Codec[WorkerMessage] = worker_codec()
         self._sock = ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 1000)  # let a final failure report reach the engine
+        _heartbeat(self._sock, endpoints.results)
         _secure_client(self._sock, endpoints.curve)
         self._sock.connect(endpoints.results)
 

@@ -35,7 +35,7 @@ from asyncengine.entrypoints.streams import (
     ClientDisconnected,
     SSEResponse,
     clamp,
-    collect,
+    generate_all,
     merge,
     open_streams,
     sse,
@@ -149,31 +149,21 @@ async def _serve(request: Request, state: ServerState, engine: AsyncEngine, prom
                  fmt: _Format) -> Response:
     """Runs the prompts and answers with one JSON body, or SSE when params stream deltas."""
     slots = state.acquire(len(prompts))
+    created = int(time.time())
+    if params.output_kind != OutputKind.DELTA:
+        try:
+            finals = await until_disconnect(request, generate_all(engine, prompts, params, request_id))
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody is listening; the requests are aborted
+        finally:
+            state.release(slots)
+        return JSONResponse(fmt.full(request_id, created, model, finals, params.n).model_dump(mode="json"))
     try:
         streams = await open_streams(engine, prompts, params, request_id)
     except BaseException:
         state.release(slots)
         raise
-    created = int(time.time())
-    if params.output_kind != OutputKind.DELTA:
-        async def run() -> list:
-            finals: list = [None] * len(streams)
-            async for i, out in merge([_last(s) for s in streams]):
-                finals[i] = out
-            return finals
-
-        try:
-            finals = await until_disconnect(request, run())
-        except ClientDisconnected:
-            return Response(status_code=499)
-        finally:
-            state.release(slots)
-        return JSONResponse(fmt.full(request_id, created, model, finals, params.n).model_dump(mode="json"))
     return SSEResponse(_events(state, slots, streams, request_id, created, model, params.n, include_usage, fmt))
-
-
-async def _last(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    yield await collect(stream)
 
 
 async def _events(state: ServerState, slots: int, streams: list, request_id: str, created: int, model: str,
@@ -181,16 +171,19 @@ async def _events(state: ServerState, slots: int, streams: list, request_id: str
     finished: set[int] = set()
     prompt_tokens: dict[int, int] = {}
     completion_tokens = 0
+    merged = merge(streams)
     try:
-        async for i, out in merge(streams):
+        async for i, out in merged:
             prompt_tokens[i] = len(out.prompt_token_ids)
             for c in out.outputs:
                 index = i * n + c.index
-                if index in finished or (not c.text and not c.token_ids and c.finish_reason is None):
+                if index in finished:
                     continue
+                completion_tokens += len(c.token_ids)
                 if c.finish_reason is not None:
                     finished.add(index)
-                completion_tokens += len(c.token_ids)
+                elif not c.text and not (c.token_ids and fmt.has_logprobs):
+                    continue  # nothing to show yet (e.g. half a UTF-8 character is held back)
                 yield sse(fmt.chunk(request_id, created, model, index, c))
         if include_usage:
             total = usage(sum(prompt_tokens.values()), completion_tokens)
@@ -198,6 +191,7 @@ async def _events(state: ServerState, slots: int, streams: list, request_id: str
     except Exception as e:  # headers are gone: report in-band, as OpenAI and vLLM do
         yield sse(json.dumps(error_body(message_of(e), status_of(e))))
     finally:
+        await merged.aclose()  # stops the pumps before their streams are closed (which aborts the rest)
         for s in streams:
             await s.aclose()
         state.release(slots)
@@ -206,6 +200,8 @@ async def _events(state: ServerState, slots: int, streams: list, request_id: str
 
 class _Format:
     """How one endpoint spells its responses; streaming when params ask for deltas."""
+
+    has_logprobs = False
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -224,10 +220,10 @@ class _Format:
 class _CompletionFormat(_Format):
     def __init__(self, engine: AsyncEngine, logprobs: bool) -> None:
         super().__init__(engine)
-        self.logprobs = logprobs
+        self.has_logprobs = logprobs
 
     def _lp(self, index: int, c: CompletionOutput) -> CompletionLogprobs | None:
-        if not self.logprobs:
+        if not self.has_logprobs:
             return None
         lp = completion_logprobs(c, self.engine, self.offsets.get(index, 0))
         self.offsets[index] = self.offsets.get(index, 0) + len(c.text)
@@ -258,6 +254,7 @@ class _ChatFormat(_Format):
     def __init__(self, engine: AsyncEngine, top_logprobs: int | None) -> None:
         super().__init__(engine)
         self.top_logprobs = top_logprobs
+        self.has_logprobs = top_logprobs is not None
         self.started: set[int] = set()
 
     def _lp(self, c: CompletionOutput) -> ChatLogprobs | None:

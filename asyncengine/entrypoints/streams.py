@@ -95,6 +95,19 @@ async def collect(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return last
 
 
+async def generate_all(engine: AsyncEngine, prompts: list[Prompt], params: SamplingParams,
+                       request_id: str) -> list[RequestOutput]:
+    """The final output of every prompt, in order; one failure (or a cancel) aborts all the others."""
+    tasks = [asyncio.ensure_future(collect(engine.generate(p, params, f"{request_id}-{i}")))
+             for i, p in enumerate(prompts)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Runs `work`, cancelling it (which aborts its requests) if the client disconnects first."""
 

@@ -19,6 +19,7 @@ import zmq
 
 from asyncengine.transport.channels import BroadcastReceiver, Endpoints, ResultSender
 from asyncengine.transport.curve import load_client_keys
+from asyncengine.transport.process_group import env_local_rank, env_rank
 from asyncengine.transport.wire import (
     CacheReady,
     ExecuteModelRequest,
@@ -54,6 +55,10 @@ def serve(rank: int, endpoints: Endpoints, local_rank: int | None = None) -> int
     try:
         while True:
             if not rx.poll(1000):
+                lost = rx.link_lost()  # TCP only: no death pipe reaches another node
+                if lost is not None:
+                    logger.error("worker %d exits: %s", rank, lost)
+                    return 2
                 continue
             data = rx.recv_bytes()
             try:
@@ -93,13 +98,16 @@ def serve(rank: int, endpoints: Endpoints, local_rank: int | None = None) -> int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncengine-worker")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--local-rank", type=int, default=None)
+    # torchrun-style RANK / LOCAL_RANK stand in for the flags (transport/process_group.py)
+    parser.add_argument("--rank", type=int, default=env_rank())
+    parser.add_argument("--local-rank", type=int, default=env_local_rank())
     parser.add_argument("--broadcast", required=True)
     parser.add_argument("--results", required=True)
     parser.add_argument("--parent-fd", type=int, default=None)
     parser.add_argument("--curve-keys", default=None, help="key file written by the head (TCP only)")
     args = parser.parse_args(argv)
+    if args.rank is None:
+        parser.error("--rank (or RANK in the environment) is required")
     logging.basicConfig(level=os.environ.get("ASYNCENGINE_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s worker{args.rank} %(levelname)s %(message)s")
     if args.parent_fd is not None:
@@ -110,4 +118,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # NOTE: serve() has released everything (sockets, process group); the interpreter's own teardown
+    # of torch and gloo would add seconds to every engine shutdown and do nothing we need
+    os._exit(code)

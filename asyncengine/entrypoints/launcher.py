@@ -1,0 +1,161 @@
+"""`asyncengine serve`: bind, serve /health (503) while the engine loads, then serve; drain on a signal.
+
+Shutdown order on SIGINT/SIGTERM: close the listening socket, refuse new requests (503), wait up to the
+grace period for live requests, shut the engine down (aborting what is left, stopping the workers),
+then let uvicorn close the connections. A second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Iterator
+from dataclasses import dataclass
+
+import uvicorn
+
+from asyncengine.config import EngineConfig
+from asyncengine.engine import AsyncEngine
+from asyncengine.entrypoints.server import ServerLimits, build_app
+from asyncengine.errors import AsyncEngineError, ConfigError
+
+logger = logging.getLogger("asyncengine.serve")
+UVICORN_CLOSE_TIMEOUT_S = 5.0  # after the drain, for connections to close before their tasks are cancelled
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    shutdown_timeout: float = 30.0
+    limits: ServerLimits = ServerLimits()
+    log_level: str = "info"
+    access_log: bool = False
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's Server without its signal handlers: the launcher owns signals and shutdown order."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def check_devices(config: EngineConfig) -> None:
+    """Fails fast (before binding or loading) when more GPUs are requested than are visible."""
+    if config.device == "cpu":
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if config.device == "cuda" and count == 0:
+        raise ConfigError("--device cuda, but no CUDA device is visible")
+    local = getattr(config, "nproc_per_node", config.world_size)  # workers on this node
+    if count and local > count:
+        raise ConfigError(f"-tp {config.tensor_parallel_size} x -pp {config.pipeline_parallel_size} needs "
+                          f"{local} GPUs on this node, but {count} are visible")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the engine loads so a taken port fails in a second."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ConfigError(f"cannot resolve host {host!r}: {e}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # allows TIME_WAIT, not a live listener
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def url_host(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(config: EngineConfig, opts: ServeOptions) -> int:
+    """Runs the server until a signal; returns the exit code."""
+    check_devices(config)
+    sock = bind(opts.host, opts.port)
+    app = build_app(None, opts.api_key, opts.limits, opts.served_model_name)
+    state = app.state.server
+    uv_config = uvicorn.Config(app, loop="uvloop", lifespan="off", log_level=opts.log_level,
+                               access_log=opts.access_log, timeout_graceful_shutdown=UVICORN_CLOSE_TIMEOUT_S,
+                               ws_max_size=2 * opts.limits.max_frame_bytes)
+    server = _Server(uv_config)
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second signal: skip the drain
+            force.set()
+            server.force_exit = True
+        else:
+            logger.info("shutting down: %ss grace for live requests", opts.shutdown_timeout)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    serving = asyncio.create_task(server.serve(sockets=[sock]), name="uvicorn")
+    engine: AsyncEngine | None = None
+    loading = asyncio.create_task(AsyncEngine.start(config), name="engine-start")
+    try:
+        if not await _first(loading, stop.wait()):  # a signal while loading: start() stopped its workers
+            return 0
+        engine = loading.result()  # raises the load error, which the caller reports
+        state.attach(engine)
+        print(f"asyncengine serving {state.model_name} on http://{url_host(sock)} "
+              f"(ws://{url_host(sock)}/v1/ws)", flush=True)
+        await stop.wait()
+        for listener in getattr(server, "servers", []):
+            listener.close()  # stop accepting; connections already open get 503 while draining
+        if not await _first(state.drain(opts.shutdown_timeout), force.wait()) or state.live:
+            logger.warning("aborting %d live requests", state.live)
+        return 0
+    finally:
+        state.draining = True
+        if engine is not None:
+            await engine.shutdown()  # aborts what is left: streams end with finish_reason "abort"
+        server.should_exit = True
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await serving
+        sock.close()
+
+
+async def _first(main: Awaitable[object], other: Awaitable[object]) -> bool:
+    """Waits for whichever finishes first; True if `main` did. The other is cancelled."""
+    a, b = asyncio.ensure_future(main), asyncio.ensure_future(other)
+    await asyncio.wait({a, b}, return_when=asyncio.FIRST_COMPLETED)
+    won = a.done()
+    for t in (a, b):
+        t.cancel()  # no-op when done
+    await asyncio.gather(a, b, return_exceptions=True)
+    return won
+
+
+def run(config: EngineConfig, opts: ServeOptions) -> int:
+    try:
+        return run_loop(serve(config, opts))
+    except (AsyncEngineError, OSError) as e:
+        print(f"asyncengine: error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def run_loop(coro: object) -> int:
+    try:
+        import uvloop
+    except ImportError:  # e.g. Windows: plain asyncio
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    return uvloop.run(coro)  # type: ignore[arg-type]
