@@ -41,7 +41,7 @@ class EngineConfig:
     seed: int = field(default=0, metadata={"help": "seed of unseeded sampling"})
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
     cuda_graph_sizes: tuple[int, ...] | None = field(default=None, metadata={"help": "decode batch sizes to capture"})
-    attention_backend: str = field(default="auto", metadata={"help": "auto | torch | triton"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto | torch | cpu | triton"})
     step_timeout: float = field(default=60.0, metadata={"help": "seconds a step may take before workers are dead"})
     num_threads: int | None = field(default=None, metadata={"help": "torch threads per CPU worker"})
     nnodes: int = field(default=1, metadata={
@@ -70,8 +70,8 @@ class EngineConfig:
                 raise ConfigError("pp_layer_partition needs one entry per pipeline stage")
             if any(n < 1 for n in self.pp_layer_partition):
                 raise ConfigError("every pipeline stage needs at least one layer")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ConfigError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
         if self.nnodes < 1 or self.world_size % self.nnodes:
             raise ConfigError(f"nnodes must be >= 1 and divide the world size {self.world_size}, got {self.nnodes}")
         if self.nnodes > 1 and (self.head_port is None or self.key_file is None):

@@ -41,9 +41,16 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """"auto" = Triton on CUDA (when installed), the PyTorch reference elsewhere."""
+    """"auto" = Triton on CUDA (when installed), the compiled CPU kernel on CPU."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+        if device.type == "cuda":
+            name = "triton" if importlib.util.find_spec("triton") else "torch"
+        else:
+            name = "cpu"
+    if name == "cpu":
+        from asyncengine.layers.attention_cpu import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if name == "triton":
         from asyncengine.layers.attention_triton import TritonAttentionBackend
 

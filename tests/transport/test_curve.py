@@ -25,7 +25,14 @@ from asyncengine.transport.channels import (
     ResultReceiver,
     ResultSender,
 )
-from asyncengine.transport.curve import ClientAllowlist, KeyFileError, generate_keys, load_client_keys, write_key_file
+from asyncengine.transport.codec import worker_codec
+from asyncengine.transport.curve import (
+    ClientAllowlist,
+    KeyFileError,
+    generate_keys,
+    load_client_keys,
+    write_key_file,
+)
 from asyncengine.transport.wire import CacheReady, Shutdown
 
 pytestmark = pytest.mark.timeout(60)
@@ -79,6 +86,17 @@ def head() -> Iterator[tuple[Endpoints, BroadcastSender, ResultReceiver]]:
     actx.term()
 
 
+def raw_push(ctx: zmq.Context, endpoint: str, curve: CurveKeys | None) -> zmq.Socket:
+    """An intruder's PUSH socket, sending without blocking."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+            curve.server_public, curve.client_public, curve.client_secret)
+    sock.connect(endpoint)
+    return sock
+
+
 def client_endpoints(endpoints: Endpoints, curve: CurveKeys | None) -> Endpoints:
     return Endpoints(endpoints.broadcast, endpoints.results, curve)
 
@@ -98,7 +116,7 @@ async def test_only_the_key_file_client_gets_in(head) -> None:
     ctx = zmq.Context()
     try:
         bad_rx = {name: BroadcastReceiver(ctx, client_endpoints(endpoints, c)) for name, c in intruders.items()}
-        bad_tx = {name: ResultSender(ctx, client_endpoints(endpoints, c)) for name, c in intruders.items()}
+        bad_tx = {name: raw_push(ctx, endpoints.results, c) for name, c in intruders.items()}
         await asyncio.sleep(0.5)  # give the intruders every chance to connect first
         good_rx = BroadcastReceiver(ctx, client_endpoints(endpoints, good_keys))
         good_tx = ResultSender(ctx, client_endpoints(endpoints, good_keys))
@@ -113,7 +131,10 @@ async def test_only_the_key_file_client_gets_in(head) -> None:
             assert not rx.poll(200), f"{name} received a broadcast"
 
         for rank, tx in enumerate(bad_tx.values()):
-            tx.send(CacheReady(100 + rank))
+            try:  # a refused peer has no connection: the PUSH cannot even queue (EAGAIN)
+                tx.send(worker_codec().encode(CacheReady(100 + rank)), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
         with pytest.raises(ChannelTimeout):
             await receiver.recv(1.0)  # nothing injected
         good_tx.send(CacheReady(0))
@@ -128,8 +149,10 @@ async def test_only_the_key_file_client_gets_in(head) -> None:
         assert why is not None and "refused" in why
         assert good_rx.link_lost() is None
     finally:
-        for sock in [*bad_rx.values(), *bad_tx.values(), good_rx, good_tx]:
+        for sock in [*bad_rx.values(), good_rx, good_tx]:
             sock.close()
+        for raw in bad_tx.values():
+            raw.close(linger=0)
         ctx.term()
 
 
