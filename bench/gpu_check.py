@@ -1,0 +1,131 @@
+"""One GPU check, under 5 minutes on one GPU, installing nothing:
+
+1. runs the GPU tests (CUDA-graph capture/replay vs eager, Triton kernels vs the reference, NCCL P=2
+   when two GPUs exist);
+2. prints decode tokens/s at batch 1, 8 and 64, with and without CUDA graphs, for a ~100M-parameter
+   random Llama;
+3. prints Triton vs PyTorch-reference attention time for a decode batch.
+
+Usage: python bench/gpu_check.py [--skip-tests] [--steps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def run_gpu_tests() -> int:
+    cmd = [sys.executable, "-m", "pytest", "-q", "tests/cuda", "tests/asyncengine/layers", "tests/asyncengine/test_gpu_engine.py", "-p", "no:cacheprovider"]
+    print("$", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, timeout=240).returncode
+
+
+def build_model(path: Path) -> Path:
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                   num_key_value_heads=12, intermediate_size=2048, vocab_size=32000,
+                                   max_position_embeddings=2048)
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def decode_throughput(model_dir: Path, batch: int, eager: bool, steps: int) -> float:
+    from asyncengine.config import EngineConfig
+    from asyncengine.layers.attention import set_attention_backend
+    from asyncengine.layers.attention_triton import TritonAttentionBackend
+    from asyncengine.layers.parallel import ParallelContext
+    from asyncengine.transport.wire import SamplingOptions
+    from asyncengine.worker.input_batch import SeqState, StepBatch
+    from asyncengine.worker.model_runner import ModelRunner
+
+    set_attention_backend(TritonAttentionBackend())
+    cfg = EngineConfig(model=str(model_dir), dtype="bfloat16", max_num_seqs=64, enforce_eager=eager)
+    runner = ModelRunner(cfg, ParallelContext(), torch.device("cuda"), torch.bfloat16, 1024)
+    blocks_per_seq = 1024 // cfg.block_size
+    runner.init_cache(batch * blocks_per_seq)
+    runner.capture_graphs()
+    rng = random.Random(0)
+    seqs = []
+    for i in range(batch):
+        prompt = [rng.randrange(32000) for _ in range(128)]
+        seqs.append(SeqState(i, prompt, len(prompt), list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 0,
+                             SamplingOptions(temperature=0.0)))
+    runner.execute_model(runner.prepare_model_input(StepBatch(0, seqs, [128] * batch)), None)
+    for s in seqs:
+        s.num_computed_tokens = 128
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for step in range(steps):
+        out = runner.execute_model(runner.prepare_model_input(StepBatch(step + 1, seqs, [1] * batch)), None)
+        for s, t in zip(seqs, out.token_ids):
+            s.num_computed_tokens += 1
+            s.token_ids.append(t)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    runner.close()
+    return batch * steps / elapsed
+
+
+def attention_times() -> tuple[float, float]:
+    sys.path.insert(0, "tests/asyncengine/layers")
+    from test_attention_cpu import build_batch
+
+    from asyncengine.layers.attention_torch import TorchAttentionBackend
+    from asyncengine.layers.attention_triton import TritonAttentionBackend
+
+    rng = random.Random(0)
+    q, k, v, kc, vc, meta = build_batch([1] * 64, [rng.randint(64, 1024) for _ in range(64)], 32, 8, 128, 16,
+                                        torch.bfloat16)
+    dev = torch.device("cuda")
+    q, k, v, kc, vc = (t.to(dev) for t in (q, k, v, kc, vc))
+    meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables = (
+        t.to(dev) for t in (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables))
+    result = []
+    for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
+        for _ in range(3):
+            backend.forward(q, k, v, kc, vc, meta, 0.088)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            backend.forward(q, k, v, kc, vc, meta, 0.088)
+        torch.cuda.synchronize()
+        result.append((time.perf_counter() - t0) / 20 * 1e3)
+    return result[0], result[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 1
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    rc = 0 if args.skip_tests else run_gpu_tests()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(Path(tmp) / "llama100m")
+        print(f"\n{'batch':>6} {'eager tok/s':>12} {'graphs tok/s':>13} {'speed-up':>9}")
+        for batch in (1, 8, 64):
+            eager = decode_throughput(model, batch, True, args.steps)
+            graphs = decode_throughput(model, batch, False, args.steps)
+            print(f"{batch:>6} {eager:>12.0f} {graphs:>13.0f} {graphs / eager:>8.2f}x", flush=True)
+    triton_ms, torch_ms = attention_times()
+    print(f"\ndecode attention, 64 seqs x 64-1024 tokens, 32 q / 8 kv heads, d=128, bf16: "
+          f"triton {triton_ms:.3f} ms, torch reference {torch_ms:.3f} ms ({torch_ms / triton_ms:.1f}x)")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
