@@ -2,7 +2,7 @@
 
 The PyTorch reference has to gather every sequence's blocks into a padded tensor per layer, which
 dominates a CPU decode step (measured: ~80% of it at batch 64). The kernel in csrc/paged_attention.c
-walks the block table instead, with an online softmax, one OpenMP task per (query row, head). Fresh
+walks the block table instead, with an online softmax, one OpenMP task per (query row, KV head). Fresh
 prefills (no cached context) still go to torch's SDPA, whose blocked GEMMs are faster for long rows.
 
 The kernel is compiled on first use with the system C compiler (about 0.2 s) into a per-machine
@@ -127,5 +127,8 @@ class CpuAttentionBackend:
             num_seqs, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], tables.shape[1],
             scale, torch.get_num_threads(),
         )
+        if rc == -2:
+            raise MemoryError("CPU attention kernel could not allocate its scratch buffer")
         if rc != 0:
-            raise ValueError(f"CPU attention kernel rejected head_dim={q.shape[2]} / block_size={k_cache.shape[1]}")
+            raise ValueError(f"CPU attention kernel does not support head_dim={q.shape[2]}, "
+                             f"block_size={k_cache.shape[1]}, heads {q.shape[1]}/{k_cache.shape[2]}")
