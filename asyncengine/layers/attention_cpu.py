@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _KERNELS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
+# limits compiled into the kernel (MAX_HEAD_DIM, MAX_BLOCK, MAX_GROUP); beyond them: the reference
 
 
 def _cache_dir() -> Path:
@@ -96,7 +97,8 @@ class CpuAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         kernel = _KERNELS.get(q.dtype)
-        if self.lib is None or kernel is None or not k_cache.numel() or q.device.type != "cpu":
+        supported = q.shape[2] <= 512 and k_cache.shape[1] <= 256 and q.shape[1] // max(k.shape[1], 1) <= 64
+        if self.lib is None or kernel is None or not supported or not k_cache.numel() or q.device.type != "cpu":
             return self.reference.forward(q, k, v, k_cache, v_cache, meta, scale)
         q = q.contiguous()
         out = torch.empty_like(q)
