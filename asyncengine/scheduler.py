@@ -1,7 +1,9 @@
 """Scheduler: continuous batching under a token budget, chunked prefill, preemption by recompute.
 
 Each call to `schedule()` builds one batch from sequences that are not already in flight, so with
-pipeline parallelism several batches of disjoint sequences can be in the pipeline at once.
+pipeline parallelism several batches of disjoint sequences can be in the pipeline at once. With
+`num_batches` = P > 1 a batch holds at most ceil(active / P) sequences: otherwise the first batch
+takes every sequence, the next finds none left, and P - 1 stages sit idle.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ class SchedulerOutput(NamedTuple):
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, num_batches: int = 1) -> None:
         self.block_manager = block_manager
+        self.num_batches = num_batches  # batches in flight at once (the pipeline depth)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -67,10 +70,11 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted = 0
         bm = self.block_manager
+        max_seqs = self._batch_seq_limit()
 
         # 1. running sequences, oldest first: a decode token each, or the next chunk of their prompt
         for seq in list(self.running):
-            if budget == 0:
+            if budget == 0 or len(scheduled) == max_seqs:
                 break
             if seq.in_flight or seq.status != SequenceStatus.RUNNING:
                 continue
@@ -92,12 +96,15 @@ class Scheduler:
             budget -= num
 
         # 2. waiting sequences, first come first served, while nothing had to be preempted
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs
+               and len(scheduled) < max_seqs):
             seq = self.waiting[0]
-            if not seq.block_ids:
-                bm.match_prefix(seq)
+            bm.match_prefix(seq)
             num = min(seq.num_uncomputed_tokens, budget)
             if not bm.allocate(seq, seq.num_computed_tokens + num):
+                # NOTE: a waiting sequence must not hold blocks, or the queue can deadlock with every
+                # block pinned by prefix hits of sequences that cannot start. The hashes stay cached.
+                bm.free_seq(seq)
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -111,6 +118,13 @@ class Scheduler:
         if scheduled:  # drops ride on the next step that is actually sent
             dropped, self._dropped = self._dropped, []
         return SchedulerOutput(scheduled, dropped, preempted)
+
+    def _batch_seq_limit(self) -> int:
+        """Sequences one batch may hold: all of them, or with P batches in flight a 1/P share."""
+        if self.num_batches == 1:
+            return self.max_num_seqs
+        active = min(len(self.running) + len(self.waiting), self.max_num_seqs)
+        return max(1, -(-active // self.num_batches))
 
     def _preemption_victim(self, scheduled: list[ScheduledSeq]) -> Sequence | None:
         """The newest running sequence that is neither in flight nor already in this batch."""

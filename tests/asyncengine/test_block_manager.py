@@ -112,3 +112,18 @@ def test_in_flight_sequences_are_not_rescheduled() -> None:
     assert sched.schedule().scheduled == []  # a is in flight: nothing else to do
     finish_step(sched, first)
     assert len(sched.schedule().scheduled) == 1
+
+
+def test_waiting_sequence_that_cannot_start_holds_no_blocks() -> None:
+    # regression: a head-of-queue prefix hit that then failed to allocate kept its blocks pinned
+    bm = BlockManager(num_blocks=6, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=24)
+    a = seq(list(range(16)))
+    sched.add(a)
+    finish_step(sched, sched.schedule())  # a holds 5 blocks, 4 of them cached full blocks
+    b = seq(list(range(16)) + [99] * 6)  # same prefix, needs 6 blocks: cannot start while a runs
+    sched.add(b)
+    out = sched.schedule()
+    assert [s.seq_id for s, _ in out.scheduled] == [a.seq_id]
+    assert b.block_ids == [] and b.num_computed_tokens == 0
+    assert all(bm.ref_counts[i] == 1 for i in a.block_ids)
