@@ -42,6 +42,9 @@ class EngineConfig:
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
     cuda_graph_sizes: tuple[int, ...] | None = field(default=None, metadata={"help": "decode batch sizes to capture"})
     attention_backend: str = field(default="auto", metadata={"help": "auto | torch | cpu | triton"})
+    async_scheduling: bool = field(
+        default=True, metadata={"help": "schedule step N+1 while step N runs (single pipeline stage)"}
+    )
     step_timeout: float = field(default=60.0, metadata={"help": "seconds a step may take before workers are dead"})
     num_threads: int | None = field(default=None, metadata={"help": "torch threads per CPU worker"})
     nnodes: int = field(default=1, metadata={

@@ -24,7 +24,7 @@ from asyncengine.models.loader import get_model_config, model_max_len
 from asyncengine.output_processor import OutputProcessor, RequestState
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
-from asyncengine.scheduler import Scheduler, SchedulerOutput
+from asyncengine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from asyncengine.sequence import Sequence
 from asyncengine.stats import EngineStats
 from asyncengine.tokenizer import eos_token_ids, load_tokenizer
@@ -69,7 +69,10 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._in_flight: deque[InFlight] = deque()
-        self.max_in_flight = config.pipeline_parallel_size
+        # P batches fill a P-stage pipeline; with one stage, async scheduling keeps a second batch
+        # queued so the worker never waits for the engine to process the last step's output
+        self.run_ahead = config.async_scheduling and config.pipeline_parallel_size == 1
+        self.max_in_flight = 2 if self.run_ahead else config.pipeline_parallel_size
         self.dead: EngineDeadError | None = None
         self.closing = False
 
@@ -92,7 +95,8 @@ class AsyncEngine:
                               "lower max_model_len")
         bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         engine.scheduler = sched = Scheduler(bm, config.max_num_seqs, config.max_num_batched_tokens,
-                                             engine.max_model_len)
+                                             engine.max_model_len, num_batches=config.pipeline_parallel_size,
+                                             run_ahead=engine.run_ahead)
         engine.stats.bind_scheduler(lambda: len(sched.running), lambda: len(sched.waiting), lambda: bm.usage,
                                     lambda: bm.num_free_blocks)
         engine._loop_task = asyncio.create_task(engine._run(), name="asyncengine-loop")
@@ -209,7 +213,7 @@ class AsyncEngine:
             return
         if not seq.is_finished:
             self.scheduler.finish(seq)
-            self.seq_owner.pop(seq.seq_id, None)
+        self.seq_owner.pop(seq.seq_id, None)
 
     def _finish_request(self, state: RequestState) -> None:
         if state.done:
@@ -251,20 +255,29 @@ class AsyncEngine:
         step_id = next(self._step_ids)
         new_seqs: list[NewSeq] = []
         cached: list[CachedSeq] = []
-        for seq, num in sched.scheduled:
+        new_items: list[ScheduledSeq] = []
+        cached_items: list[ScheduledSeq] = []
+        for item in sched.scheduled:
+            seq, num, samples = item
             if not seq.on_workers:
                 new_seqs.append(NewSeq(seq.seq_id, pack_ids(seq.token_ids), seq.num_prompt_tokens,
                                        list(seq.block_ids), seq.num_computed_tokens, num, self._options(seq)))
+                new_items.append(item)
                 seq.on_workers = True
             else:
                 cached.append(CachedSeq(seq.seq_id, num, seq.token_ids[seq.num_tokens_on_workers :],
                                         seq.block_ids[seq.num_blocks_on_workers :]))
-            seq.num_tokens_on_workers = seq.num_tokens
+                cached_items.append(item)
+            seq.num_tokens_on_workers = max(seq.num_tokens_on_workers, seq.num_tokens)
             seq.num_blocks_on_workers = len(seq.block_ids)
+            if samples and self.run_ahead:
+                seq.num_tokens_on_workers += 1  # the worker appends what it samples itself
         req = ExecuteModelRequest(step_id, new_seqs, cached, sched.dropped_seq_ids)
         nbytes = self.executor.send(req)
         self.stats.on_step_sent(sched, nbytes)
-        self._in_flight.append(InFlight(step_id, sched, time.monotonic()))
+        # NOTE: workers see new sequences first, then cached ones; outputs come back in that order
+        in_worker_order = sched._replace(scheduled=new_items + cached_items)
+        self._in_flight.append(InFlight(step_id, in_worker_order, time.monotonic()))
 
     def _options(self, seq: Sequence) -> SamplingOptions:
         p = seq.params
@@ -288,17 +301,17 @@ class AsyncEngine:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         k = 0
-        for seq, num in step.sched.scheduled:
-            self.scheduler.on_step_done(seq, num)
-            sampled = seq.num_computed_tokens == seq.num_tokens
+        for seq, num, sampled in step.sched.scheduled:
+            self.scheduler.on_step_done(seq, num, sampled)
             if sampled:
                 token = tokens[k]
                 lp = output.logprobs[k] if output.logprobs else None
                 k += 1
             state = self.seq_owner.get(seq.seq_id)
-            if seq.aborted or state is None or state.done:
-                self.scheduler.finish(seq)
-                self.seq_owner.pop(seq.seq_id, None)
+            if seq.aborted or seq.finish_reason is not None or state is None or state.done:
+                # finished or aborted while this step ran (async scheduling runs one step past a stop)
+                seq.aborted = True
+                self._release(seq)
                 continue
             if not sampled:
                 continue
@@ -310,8 +323,7 @@ class AsyncEngine:
                 self.stats.on_token(state, now)
             state.metrics.last_token_time = now
             if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-                self.seq_owner.pop(seq.seq_id, None)
+                self._release(seq)
             touched[state.request_id] = state
         if k != len(tokens):
             raise EngineDeadError(f"step {step.step_id}: {len(tokens)} tokens for {k} sampling sequences")

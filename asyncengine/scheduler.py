@@ -18,6 +18,7 @@ from asyncengine.sequence import Sequence, SequenceStatus
 class ScheduledSeq(NamedTuple):
     seq: Sequence
     num_tokens: int  # tokens to compute this step: 1 for decode, a chunk of the prompt for prefill
+    samples: bool  # this step reaches the end of the sequence and samples its next token
 
 
 class SchedulerOutput(NamedTuple):
@@ -32,9 +33,12 @@ class SchedulerOutput(NamedTuple):
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, num_batches: int = 1) -> None:
+                 max_model_len: int, num_batches: int = 1, run_ahead: bool = False) -> None:
         self.block_manager = block_manager
         self.num_batches = num_batches  # batches in flight at once (the pipeline depth)
+        # async scheduling: a decoding sequence may be scheduled again while its previous step runs;
+        # the worker feeds it the token it sampled itself (single pipeline stage only)
+        self.run_ahead = run_ahead
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -76,13 +80,15 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0 or len(scheduled) == max_seqs:
                 break
-            if seq.in_flight or seq.status != SequenceStatus.RUNNING:
+            if seq.status != SequenceStatus.RUNNING or seq.finish_reason is not None or seq.aborted:
+                continue
+            if seq.in_flight and not self._may_run_ahead(seq):
                 continue
             num = min(seq.num_uncomputed_tokens, budget)
             if num == 0:
                 continue
             fits = True
-            while fits and not bm.allocate(seq, seq.num_computed_tokens + num):
+            while fits and not bm.allocate(seq, seq.num_computed_tokens + seq.num_inflight_tokens + num):
                 victim = self._preemption_victim(scheduled)
                 if victim is None:  # everything else is in flight: wait for their blocks
                     fits = False
@@ -92,7 +98,7 @@ class Scheduler:
                 fits = victim is not seq
             if not fits:
                 continue
-            scheduled.append(ScheduledSeq(seq, num))
+            scheduled.append(self._scheduled(seq, num))
             budget -= num
 
         # 2. waiting sequences, first come first served, while nothing had to be preempted
@@ -109,15 +115,27 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, num))
+            scheduled.append(self._scheduled(seq, num))
             budget -= num
 
-        for item in scheduled:
-            item.seq.in_flight = True
+        for seq, num, samples in scheduled:
+            seq.num_inflight_steps += 1
+            seq.num_inflight_tokens += num
+            seq.num_pending_samples += samples
         dropped: list[int] = []
         if scheduled:  # drops ride on the next step that is actually sent
             dropped, self._dropped = self._dropped, []
         return SchedulerOutput(scheduled, dropped, preempted)
+
+    @staticmethod
+    def _scheduled(seq: Sequence, num: int) -> ScheduledSeq:
+        return ScheduledSeq(seq, num, num == seq.num_uncomputed_tokens)
+
+    def _may_run_ahead(self, seq: Sequence) -> bool:
+        """A sequence in flight may be scheduled again only for the token its running step samples,
+        and only if that token cannot be its last by length (no step for a token past the end)."""
+        return (self.run_ahead and seq.num_inflight_steps == 1 and seq.num_pending_samples == 1
+                and seq.num_output_tokens + 1 < seq.max_tokens and seq.num_tokens + 1 < self.max_model_len)
 
     def _batch_seq_limit(self) -> int:
         """Sequences one batch may hold: all of them, or with P batches in flight a 1/P share."""
@@ -150,8 +168,10 @@ class Scheduler:
             seq.num_tokens_on_workers = 0
             seq.num_blocks_on_workers = 0
 
-    def on_step_done(self, seq: Sequence, num_tokens: int) -> None:
+    def on_step_done(self, seq: Sequence, num_tokens: int, samples: bool) -> None:
         """The KV of `num_tokens` more tokens of seq is now in the cache."""
-        seq.in_flight = False
+        seq.num_inflight_steps -= 1
+        seq.num_inflight_tokens -= num_tokens
+        seq.num_pending_samples -= samples
         seq.num_computed_tokens += num_tokens
         self.block_manager.register_computed(seq)

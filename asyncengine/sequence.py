@@ -33,7 +33,9 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks already registered
-        self.in_flight = False  # scheduled in a batch whose output has not come back
+        self.num_inflight_steps = 0  # scheduled in batches whose output has not come back
+        self.num_inflight_tokens = 0  # tokens those batches compute
+        self.num_pending_samples = 0  # tokens those batches will sample (async scheduling: at most 1)
         self.on_workers = False  # the workers hold its state, so steps carry only diffs
         self.num_tokens_on_workers = 0
         self.num_blocks_on_workers = 0
@@ -63,8 +65,13 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     @property
+    def in_flight(self) -> bool:
+        return self.num_inflight_steps > 0
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens still to schedule, counting those in flight and the samples they will add."""
+        return len(self.token_ids) + self.num_pending_samples - self.num_computed_tokens - self.num_inflight_tokens
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "

@@ -19,7 +19,7 @@ from asyncengine.layers.attention import Attention, AttentionMetadata, forward_c
 from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
 from asyncengine.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from asyncengine.models.loader import load_model
-from asyncengine.worker.input_batch import StepBatch
+from asyncengine.worker.input_batch import SeqState, StepBatch
 
 
 class ModelInput(NamedTuple):
@@ -28,6 +28,7 @@ class ModelInput(NamedTuple):
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] rows whose hidden state is sampled from
     sampling_rows: list[SamplingRow]
+    sampling_seqs: list[SeqState]  # the sequences of sampling_rows, in the same order
 
 
 class ModelRunner:
@@ -109,6 +110,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         rows: list[SamplingRow] = []
+        sampling_seqs: list[SeqState] = []
         max_blocks = 1
         offset = 0
         for state, num in zip(batch.seqs, batch.num_scheduled):
@@ -126,6 +128,7 @@ class ModelRunner:
                 logits_indices.append(offset - 1)
                 rows.append(SamplingRow(state.sampling, state.generator, state.token_ids, state.output_counts,
                                         state.num_output_tokens))
+                sampling_seqs.append(state)
         tables = np.zeros((len(batch.seqs), max_blocks), dtype=np.int32)
         for i, state in enumerate(batch.seqs):
             tables[i, : len(state.block_ids)] = state.block_ids
@@ -148,6 +151,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sampling_rows=rows,
+            sampling_seqs=sampling_seqs,
         )
 
     # -- execution --------------------------------------------------------------------------------

@@ -84,6 +84,9 @@ class Worker:
         self.input_batch = InputBatch(self.device)
         self.link = StageLink(self.topology.prev_stage_rank, self.topology.next_stage_rank, self.device)
         self.vocab_size = int(getattr(hf_config, "vocab_size", 0))
+        # async scheduling: the engine schedules a sequence's next step before it has seen this step's
+        # token, so every rank of the (single) stage samples, identically, and appends it itself
+        self.appends_samples = config.async_scheduling and self.topology.pp_size == 1
 
     # -- start-up ---------------------------------------------------------------------------------
     def num_kv_blocks_that_fit(self) -> int:
@@ -120,8 +123,13 @@ class Worker:
         if not self.parallel.is_first_stage:
             model = self.model_runner.model
             intermediate = self.link.recv(model.intermediate_names, batch.num_tokens, model.hidden_size, self.dtype)
-        out = self.model_runner.execute_model(model_input, intermediate, sample=self.topology.is_driver)
+        sample = self.topology.is_driver or self.appends_samples
+        out = self.model_runner.execute_model(model_input, intermediate, sample=sample)
         self.input_batch.mark_computed(batch)
+        if self.appends_samples:
+            assert isinstance(out, SamplerOutput)
+            for state, token in zip(model_input.sampling_seqs, out.token_ids):
+                state.append([token])
         if not self.parallel.is_last_stage:
             assert isinstance(out, dict)
             self.link.send(out)

@@ -16,9 +16,9 @@ def seq(tokens: list[int], max_tokens: int = 8) -> Sequence:
 
 
 def finish_step(sched: Scheduler, out) -> None:
-    for s, num in out.scheduled:
-        sched.on_step_done(s, num)
-        if s.num_computed_tokens == s.num_tokens:
+    for s, num, samples in out.scheduled:
+        sched.on_step_done(s, num, samples)
+        if samples:
             s.token_ids.append(7)
 
 
@@ -75,13 +75,13 @@ def test_scheduler_budget_chunks_prompts() -> None:
     sched.add(long)
     sched.add(short)
     out = sched.schedule()
-    assert [(s.seq_id, n) for s, n in out.scheduled] == [(long.seq_id, 10)]
+    assert [(s.seq_id, n) for s, n, _ in out.scheduled] == [(long.seq_id, 10)]
     finish_step(sched, out)
     out = sched.schedule()
-    assert [n for _, n in out.scheduled] == [10]
+    assert [n for _, n, _ in out.scheduled] == [10]
     finish_step(sched, out)
     out = sched.schedule()
-    assert [(s.seq_id, n) for s, n in out.scheduled] == [(long.seq_id, 5), (short.seq_id, 3)]
+    assert [(s.seq_id, n) for s, n, _ in out.scheduled] == [(long.seq_id, 5), (short.seq_id, 3)]
 
 
 def test_scheduler_preempts_newest_and_keeps_in_flight() -> None:
@@ -124,6 +124,23 @@ def test_waiting_sequence_that_cannot_start_holds_no_blocks() -> None:
     b = seq(list(range(16)) + [99] * 6)  # same prefix, needs 6 blocks: cannot start while a runs
     sched.add(b)
     out = sched.schedule()
-    assert [s.seq_id for s, _ in out.scheduled] == [a.seq_id]
+    assert [s.seq_id for s, *_ in out.scheduled] == [a.seq_id]
     assert b.block_ids == [] and b.num_computed_tokens == 0
     assert all(bm.ref_counts[i] == 1 for i in a.block_ids)
+
+
+def test_run_ahead_schedules_a_decoding_sequence_before_its_token_is_known() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, run_ahead=True)
+    a = seq([1, 2, 3], max_tokens=3)
+    sched.add(a)
+    first = sched.schedule()
+    assert [(n, samples) for _, n, samples in first.scheduled] == [(3, True)]
+    ahead = sched.schedule()  # a is in flight, decoding: its next step goes out at once
+    assert [(s.seq_id, n, samples) for s, n, samples in ahead.scheduled] == [(a.seq_id, 1, True)]
+    assert sched.schedule().scheduled == []  # never two steps ahead
+    finish_step(sched, first)
+    finish_step(sched, ahead)
+    third = sched.schedule()  # the token of the third step would be the last (max_tokens=3) ...
+    assert [n for _, n, _ in third.scheduled] == [1]
+    assert sched.schedule().scheduled == []  # ... so nothing runs ahead of it
