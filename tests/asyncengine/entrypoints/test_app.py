@@ -122,6 +122,9 @@ def test_body_limit_and_unknown_route() -> None:
     c = client(FakeEngine(), max_body_bytes=1000)
     r = c.post("/v1/completions", json={"prompt": "x" * 2000})
     assert r.status_code == 413 and "1000" in r.json()["error"]["message"]
+    chunked = iter([b'{"prompt": "', b"x" * 800, b"x" * 800, b'"}'])  # no content-length: counted as read
+    r = c.post("/v1/completions", content=chunked, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
     assert c.get("/v1/nothing").json()["error"]["code"] == 404
 
 
@@ -135,7 +138,9 @@ def test_chat_needs_a_chat_template() -> None:
 
 def test_completions_batch_n_and_stream() -> None:
     c = client(FakeEngine())
-    r = c.post("/v1/completions", json={"prompt": [[1, 2], [3]], "max_tokens": 2, "n": 1}).json()
+    resp = c.post("/v1/completions", json={"prompt": [[1, 2], [3]], "max_tokens": 2, "n": 1, "stream": False})
+    assert resp.headers["content-type"] == "application/json"  # stream=false never streams
+    r = resp.json()
     assert r["object"] == "text_completion" and [ch["index"] for ch in r["choices"]] == [0, 1]
     assert r["choices"][0]["text"] == "t0 t1 " and r["usage"]["completion_tokens"] == 4
     with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True,

@@ -8,8 +8,7 @@ import json
 
 import openai
 import pytest
-from conftest import API_KEY, ServerProcess, free_port
-from test_server import ABORTS, metric, wait_aborted
+from server_process import ABORTS, API_KEY, ServerProcess, free_port, metric, wait_aborted
 from websockets.asyncio.server import serve
 
 from asyncengine.client import (
@@ -24,7 +23,7 @@ from asyncengine.client import (
     Usage,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.mark.slow
@@ -82,18 +81,18 @@ async def test_connection_lost_then_reconnect() -> None:
     async def handler(ws) -> None:
         nonlocal connections
         connections += 1
-        frame = json.loads(await ws.recv())
-        rid = frame["request_id"]
-        await ws.send(json.dumps({"type": "delta", "request_id": rid, "text": "a", "token_ids": [1]}))
-        if connections == 1:
-            ws.transport.abort()  # a dropped TCP connection, no close frame
-            return
-        if frame["prompt"] == "busy":
-            await ws.send(json.dumps({"type": "error", "request_id": rid, "code": 429, "message": "busy"}))
-            return
-        await ws.send(json.dumps({"type": "done", "request_id": rid, "finish_reason": "stop",
-                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1}}))
-        await ws.wait_closed()
+        async for raw in ws:
+            frame = json.loads(raw)
+            rid = frame["request_id"]
+            await ws.send(json.dumps({"type": "delta", "request_id": rid, "text": "a", "token_ids": [1]}))
+            if connections == 1:
+                ws.transport.abort()  # a dropped TCP connection, no close frame
+                return
+            if frame["prompt"] == "busy":
+                await ws.send(json.dumps({"type": "error", "request_id": rid, "code": 429, "message": "busy"}))
+                continue
+            await ws.send(json.dumps({"type": "done", "request_id": rid, "finish_reason": "stop",
+                                      "usage": {"prompt_tokens": 1, "completion_tokens": 1}}))
 
     async with serve(handler, "127.0.0.1", 0) as ws_server:
         port = ws_server.sockets[0].getsockname()[1]

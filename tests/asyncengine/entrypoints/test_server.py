@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
-import time
 
 import httpx
 import openai
 import pytest
-from conftest import API_KEY, NUM_KV_BLOCKS, ServerProcess
+from server_process import ABORTS, API_KEY, NUM_KV_BLOCKS, ServerProcess, metric, wait_aborted
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -23,28 +21,6 @@ PROMPTS = ["hello world", "def fibonacci(n):"]
 
 def sdk(server: ServerProcess, key: str = API_KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base}/v1", api_key=key, max_retries=0, timeout=60)
-
-
-def metric(server: ServerProcess, name: str) -> float:
-    text = httpx.get(f"{server.base}/metrics", timeout=10).text
-    found = re.search(rf"^asyncengine:{re.escape(name)} (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
-
-
-ABORTS = 'request_success_total{finished_reason="abort"}'
-
-
-def wait_aborted(server: ServerProcess, aborts_before: float, timeout_s: float = 20.0) -> float:
-    """Until one more request was aborted and every KV block is free again; returns the abort count."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        aborts = metric(server, ABORTS)
-        if (aborts > aborts_before and metric(server, "kv_cache_free_blocks") == NUM_KV_BLOCKS
-                and metric(server, "num_requests_running") == 0):
-            return aborts
-        time.sleep(0.1)
-    raise AssertionError(f"no abort, or KV blocks not freed: {metric(server, 'kv_cache_free_blocks')} of "
-                         f"{NUM_KV_BLOCKS}, aborts {metric(server, ABORTS)} (before {aborts_before})")
 
 
 def ws_connect(server: ServerProcess, **kw):
