@@ -52,14 +52,19 @@ class InFlight(NamedTuple):
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.hf_config = get_model_config(config.model)
-        limit = model_max_len(self.hf_config)
-        self.max_model_len = min(config.max_model_len or limit, limit)
-        self.tokenizer = load_tokenizer(config.tokenizer_path)
+        self.executor = Executor(config)
+        self.executor.spawn()  # workers start loading while this process reads configs and tokenizer
+        try:
+            self.hf_config = get_model_config(config.model)
+            limit = model_max_len(self.hf_config)
+            self.max_model_len = min(config.max_model_len or limit, limit)
+            self.tokenizer = load_tokenizer(config.tokenizer_path)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.vocab_size = int(getattr(self.hf_config, "vocab_size", 0))
         self.eos_ids = eos_token_ids(config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
-        self.executor = Executor(config)
         self.scheduler: Scheduler | None = None
         self.requests: dict[str, RequestState] = {}
         self.seq_owner: dict[int, RequestState] = {}
@@ -174,10 +179,15 @@ class AsyncEngine:
         self._wake.set()
         return state
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Streams RequestOutputs; leaving the loop early (or cancelling the task) aborts the request."""
-        state = self.add_request(prompt, params, request_id)
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Streams RequestOutputs; leaving the loop early (or cancelling the task) aborts the request.
+
+        The request is validated and queued at the call, so bad input raises here, before any output.
+        """
+        return self._stream(self.add_request(prompt, params, request_id))
+
+    async def _stream(self, state: RequestState) -> AsyncIterator[RequestOutput]:
         try:
             while True:
                 item = await state.queue.get()

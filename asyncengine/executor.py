@@ -94,7 +94,11 @@ class Executor:
         self.failure: WorkerFailure | None = None
 
     # -- start-up ---------------------------------------------------------------------------------
-    def _spawn(self) -> None:
+    def spawn(self) -> None:
+        """Starts the local worker processes; the engine calls it first so workers import torch and
+        load weights while the engine process loads the tokenizer."""
+        if self.procs:
+            return
         read_fd, write_fd = os.pipe()
         os.set_inheritable(read_fd, True)
         self._death_pipe_w = write_fd  # not inheritable: only this process holds it
@@ -119,7 +123,7 @@ class Executor:
             raise
 
     async def _start(self, load_timeout_s: float) -> None:
-        self._spawn()
+        self.spawn()
         await self._wait_for_workers()
         init_method = env_init_method() or f"tcp://{_host(self.config.head_host)}:{free_port(self.config.head_host)}"
         config_json = msgspec.json.encode(self.config)
