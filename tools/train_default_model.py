@@ -256,19 +256,29 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> transformers.PreTr
         additional_special_tokens=[IM_START, IM_END],
         model_max_length=1024,
         clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],
     )
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
 
 
 def _portable_tokenizer_config(path: Path) -> None:
-    """Names the tokenizer class so that transformers 4.x can load it too.
+    """Rewrites what transformers 5 saves into keys that transformers 4.x (>= 4.45) loads too.
 
-    transformers 5 writes its internal ``TokenizersBackend`` (which 4.x lacks);
-    ``PreTrainedTokenizerFast`` is an alias of it in 5.x and the real class in 4.x.
+    - 5.x names its internal ``TokenizersBackend`` class, which 4.x lacks;
+      ``PreTrainedTokenizerFast`` is an alias of it in 5.x and the real class in 4.x.
+    - 5.x saves ``extra_special_tokens`` as a list, which 4.x expects to be a dict;
+      both read ``additional_special_tokens``.
+    - 4.x returns ``token_type_ids`` unless told otherwise, and ``generate`` rejects them.
     """
     cfg = json.loads(path.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    extra = cfg.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        cfg["additional_special_tokens"] = extra
+    elif extra:
+        cfg["extra_special_tokens"] = extra
+    cfg["model_input_names"] = ["input_ids", "attention_mask"]
     path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
@@ -440,6 +450,7 @@ peak LR {t['lr']:g} with {t['warmup_steps']} warm-up steps then cosine decay to 
 | held-out loss on the test slice ({log['test_slice']['n_windows']} x {log['test_slice']['seq_len']} tokens) | {f['heldout_loss_test_slice']:.4f} |
 | threshold checked by the tests | {f['test_threshold']:.4f} |
 | wall time: tokenizer / tokenisation / training / total | {log['wall_time_s']['tokenizer']:.0f} s / {log['wall_time_s']['tokenize']:.0f} s / {log['wall_time_s']['train']:.0f} s / {log['wall_time_s']['total']:.0f} s |
+| mean training throughput (incl. evaluations; the wall time scales with load on the machine) | {log['tokens_seen'] / log['wall_time_s']['train']:,.0f} tokens/s |
 
 ![loss curve](loss_curve.png)
 
