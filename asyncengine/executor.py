@@ -73,18 +73,25 @@ class Executor:
         self._async_ctx = zmq.asyncio.Context()
         self._ipc_dir: Path | None = None
         self._auth: list[ClientAllowlist] = []
-        if config.nnodes > 1:
-            assert config.head_port is not None and config.key_file is not None  # EngineConfig checks
-            keys = generate_keys()
-            write_key_file(keys, config.key_file)
-            self.endpoints = Endpoints.tcp(config.head_host, config.head_port, keys)
-            # NOTE: the allowlists must run before the sockets bind, or the first peers skip ZAP
-            self._auth = [ClientAllowlist(ctx, [keys.client_public]) for ctx in (self._sync_ctx, self._async_ctx)]
-        else:
-            self.endpoints = Endpoints.local()
-            self._ipc_dir = Path(self.endpoints.broadcast[len("ipc://"):]).parent
-        self.sender = BroadcastSender(self._sync_ctx, self.endpoints)
-        self.receiver = ResultReceiver(self._async_ctx, self.endpoints)
+        try:
+            if config.nnodes > 1:
+                assert config.head_port is not None and config.key_file is not None  # EngineConfig checks
+                keys = generate_keys()
+                write_key_file(keys, config.key_file)
+                self.endpoints = Endpoints.tcp(config.head_host, config.head_port, keys)
+                # NOTE: the allowlists must run before the sockets bind, or the first peers skip ZAP
+                self._auth = [ClientAllowlist(c, [keys.client_public]) for c in (self._sync_ctx, self._async_ctx)]
+            else:
+                self.endpoints = Endpoints.local()
+                self._ipc_dir = Path(self.endpoints.broadcast[len("ipc://"):]).parent
+            self.sender = BroadcastSender(self._sync_ctx, self.endpoints)
+            self.receiver = ResultReceiver(self._async_ctx, self.endpoints)
+        except (zmq.ZMQError, OSError) as e:  # a port in use, an unwritable key file
+            for auth in self._auth:
+                auth.stop()
+            self._sync_ctx.destroy(linger=0)
+            self._async_ctx.destroy(linger=0)
+            raise ConfigError(f"cannot set up the engine's sockets: {e}") from e
         self.procs: list[subprocess.Popen] = []
         self._death_pipe_w: int | None = None
         self.num_kv_blocks = 0

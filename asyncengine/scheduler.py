@@ -2,8 +2,10 @@
 
 Each call to `schedule()` builds one batch from sequences that are not already in flight, so with
 pipeline parallelism several batches of disjoint sequences can be in the pipeline at once. With
-`num_batches` = P > 1 a batch holds at most ceil(active / P) sequences: otherwise the first batch
-takes every sequence, the next finds none left, and P - 1 stages sit idle.
+`num_batches` = P > 1 a batch holds at most ceil(active / P) sequences, or the first batch takes every
+sequence, the next finds none left, and P - 1 stages sit idle; and ceil(max_num_batched_tokens / P)
+tokens, so the pipeline as a whole holds one step's budget and a burst of prompts reaches the last
+stage after 1/P of a full step instead of leaving it idle for a whole one.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class Scheduler:
         self._forget_on_workers(seq)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+        budget = -(-self.max_num_batched_tokens // self.num_batches)  # see the module docstring
         scheduled: list[ScheduledSeq] = []
         preempted = 0
         bm = self.block_manager

@@ -164,10 +164,9 @@ class ResultReceiver:
         """Raises ChannelTimeout after timeout_s; msgspec errors on a malformed frame."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            if deadline is not None:
-                left_ms = max(0, int((deadline - time.monotonic()) * 1000))
-                if not await self._sock.poll(left_ms, zmq.POLLIN):
-                    raise ChannelTimeout(f"no worker message within {timeout_s}s")
+            left_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not await self._sock.poll(left_ms, zmq.POLLIN):
+                raise ChannelTimeout(f"no worker message within {timeout_s}s")
             try:
                 data = await self._sock.recv(copy=False)
             except zmq.Again:

@@ -18,8 +18,10 @@ Backends: NCCL between GPUs, gloo on CPU (the caller passes `dist_backend(device
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import socket
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -132,9 +134,11 @@ def init_process_groups(topology: Topology, init_method: str, backend: str, time
     init_method = resolve_init_method(topology, init_method)  # checks torchrun's variables even for one rank
     if topology.world_size == 1:
         return ProcessGroups(topology, None)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = loopback_store(topology, init_method, timeout)
     dist.init_process_group(
-        backend=backend, init_method=init_method, world_size=topology.world_size,
-        rank=topology.rank, timeout=datetime.timedelta(seconds=timeout_s),
+        backend=backend, init_method=None if store is not None else init_method, store=store,
+        world_size=topology.world_size, rank=topology.rank, timeout=timeout,
     )
     tp_group = None
     if topology.tp_size > 1:
@@ -144,6 +148,31 @@ def init_process_groups(topology: Topology, init_method: str, backend: str, time
             if pp == topology.pp_rank:
                 tp_group = group
     return ProcessGroups(topology, tp_group)
+
+
+def loopback_store(topology: Topology, init_method: str, timeout: datetime.timedelta) -> dist.TCPStore | None:
+    """The rendezvous store when `init_method` is a loopback address (one node), else None.
+
+    torch's own TCPStore listens on every interface ("::") whatever host the URL names; rank 0 binds
+    the listening socket to the loopback address itself and hands it over, so nothing is reachable
+    from the network.
+    """
+    url = urllib.parse.urlparse(init_method)
+    try:
+        loopback = url.scheme == "tcp" and url.port is not None and ipaddress.ip_address(url.hostname or "").is_loopback
+    except ValueError:  # a host name, not an address
+        loopback = False
+    if not loopback:
+        return None
+    host, port = url.hostname or "", url.port or 0
+    fd = None
+    if topology.rank == 0:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(128)
+            fd = sock.detach()  # the store owns the socket from here
+    return dist.TCPStore(host, port, topology.world_size, topology.rank == 0, timeout=timeout, master_listen_fd=fd)
 
 
 def destroy_process_groups() -> None:

@@ -1,9 +1,13 @@
 """Pipeline and tensor parallelism end to end: greedy tokens equal HF's (= P=T=1's) for every
-architecture with P=2, T=2, P=2 x T=2 and P=3; a killed worker fails requests instead of hanging;
-several nodes on loopback (a head engine and a `worker` launcher process) with CURVE keys.
+architecture with P=2 x T=2 and P=3, and with P=2 and T=2 alone for both model families (Llama-style
+layers pass hidden states + residual between stages, GPT-2 only hidden states); a killed worker fails
+requests instead of hanging; two nodes on loopback (a head engine and a `worker` launcher process)
+with CURVE keys.
 
-Every engine here starts 2-4 worker processes, so each test combines its checks in one engine, uses
-few tokens and one torch thread per worker.
+Every engine here starts 2-4 worker processes (seconds each on two cores), so each test combines its
+checks in one engine, uses few tokens and one torch thread per worker. P=2 x T=2 runs every code path
+of P=2 and of T=2 (TP groups inside stages, stage links between them) for each architecture, so
+those two alone run for one architecture of each family only.
 """
 
 from __future__ import annotations
@@ -101,10 +105,19 @@ def test_scheduler_gives_each_pipeline_batch_its_share() -> None:
     again = sched.schedule()
     assert [s.seq_id for s, *_ in again.scheduled] == [s.seq_id for s, *_ in a.scheduled]
 
+    # ... and half the token budget, so a burst of prompts reaches the second stage sooner
+    sched = Scheduler(BlockManager(num_blocks=64, block_size=4), max_num_seqs=16, max_num_batched_tokens=64,
+                      max_model_len=256, num_batches=2)
+    sched.add(Sequence(99, 0, list(range(100)), SamplingParams(max_tokens=4), 4, 99))
+    assert [n for _, n, _ in sched.schedule().scheduled] == [32]
+
+
+CASES = [(arch, layout) for arch in ARCHITECTURES for layout in ("pp2xtp2", "pp3")]
+CASES += [(arch, layout) for arch in ("llama", "gpt2") for layout in ("pp2", "tp2")]
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize(("arch", "layout"), CASES, ids=[f"{a}-{lay}" for a, lay in CASES])
 def test_parallel_greedy_matches_single_process(arch, layout, tiny_model_factory, llm_factory, expected) -> None:
     model = model_for(arch, tiny_model_factory)
     vocab = MODEL_OVERRIDES[arch].get("vocab_size", 512)
@@ -120,7 +133,9 @@ def test_parallel_greedy_matches_single_process(arch, layout, tiny_model_factory
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == expected(model, prompts)
     pp = parallel.get("pipeline_parallel_size", 1)
-    assert max(depths) == pp - 1  # the pipeline was full: pp batches in flight at once
+    # the pipeline was full: P batches in flight at once (one stage: async scheduling's 2 or 1)
+    assert max(depths) == llm.engine.max_in_flight - 1
+    assert pp == 1 or llm.engine.max_in_flight == pp
     assert len(llm.engine.executor.procs) == pp * parallel.get("tensor_parallel_size", 1)
     procs = llm.engine.executor.procs
     llm.shutdown()
@@ -208,11 +223,45 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def test_multi_node_config_errors_are_typed(tiny_model_factory, tmp_path) -> None:
+    from asyncengine import ConfigError
+    from asyncengine.executor import Executor
+
+    model = str(model_for("llama", tiny_model_factory))
+    with pytest.raises(ConfigError, match="head_port and key_file"):
+        EngineConfig(model=model, pipeline_parallel_size=2, nnodes=2)
+    with pytest.raises(ConfigError, match="divide the world size"):
+        EngineConfig(model=model, pipeline_parallel_size=3, nnodes=2, head_port=9000, key_file="k")
+    import socket
+
+    with socket.socket() as taken:  # the broadcast port is in use: a ConfigError, nothing left running
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = EngineConfig(model=model, pipeline_parallel_size=2, nnodes=2, head_port=port,
+                              key_file=str(tmp_path / "keys.json"))
+        with pytest.raises(ConfigError, match="cannot set up"):
+            Executor(config)
+
+
+def test_worker_launcher_rejects_bad_arguments(tmp_path) -> None:
+    from asyncengine.entrypoints.worker_cli import main, parse_head
+
+    assert parse_head("10.0.0.1:29600") == ("10.0.0.1", 29600)
+    assert parse_head("[::1]:7") == ("::1", 7)
+    for bad in ("10.0.0.1", ":80", "host:http", "host:65535"):
+        with pytest.raises(ValueError):
+            parse_head(bad)
+    (tmp_path / "keys.json").write_text("not json")
+    assert main(["--head", "127.0.0.1:9", "--node-rank", "1", "--key-file", str(tmp_path / "keys.json")]) == 2
+    assert main(["--head", "nohost", "--node-rank", "1", "--key-file", str(tmp_path / "keys.json")]) == 2
+
+
 @pytest.mark.slow
 def test_two_nodes_on_loopback(tiny_model_factory, expected, tmp_path) -> None:
     """Head: an engine with nnodes=2 running node 0's rank; node 1: `asyncengine worker` in another
     process. Greedy equals single-process; killing node 1 fails requests; nothing is left behind."""
-    model = model_for("qwen2", tiny_model_factory)
+    model = model_for("mistral", tiny_model_factory)
     prompts = make_prompts(512)
     port, key_file = free_port_pair(), tmp_path / "keys.json"
     box: dict[str, Any] = {}
