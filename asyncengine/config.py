@@ -35,7 +35,7 @@ class EngineConfig:
     )
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory to use"})
     max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one step"})
-    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step (with -pp P: of the whole pipeline, 1/P per batch)"})
     max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
     seed: int = field(default=0, metadata={"help": "seed of unseeded sampling"})
