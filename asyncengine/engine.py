@@ -135,12 +135,17 @@ class AsyncEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: send prompt token ids")
-            ids = self.tokenizer.encode(prompt)
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except TypeError:  # the Rust tokenizer refuses what UTF-8 cannot hold: lone surrogates ("\ud800")
+                raise InvalidRequestError("the prompt is not valid Unicode (a lone surrogate?)") from None
             text: str | None = prompt
-        else:
+        elif isinstance(prompt, (list, tuple)):
             ids, text = list(prompt), None
             if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        else:
+            raise InvalidRequestError(f"the prompt must be a string or a list of token ids, not {type(prompt).__name__}")
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         return text, ids

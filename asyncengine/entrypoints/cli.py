@@ -23,6 +23,11 @@ def _env(name: str, default: Any) -> Any:
     return os.environ.get(f"ASYNCENGINE_{name.upper()}", default)
 
 
+def _env_flag(name: str) -> bool:
+    """A boolean ASYNCENGINE_<NAME> (1/true/yes/on); unset is False."""
+    return str(_env(name, "")).strip().lower() in ("1", "true", "yes", "on")
+
+
 def _positive_int(raw: str) -> int:
     value = int(raw)
     if value < 1:
@@ -59,6 +64,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="largest HTTP request body (413 beyond)")
     g.add_argument("--max-frame-bytes", type=_positive_int, default=_env("max_frame_bytes", d.max_frame_bytes),
                    help="largest websocket frame (error 413 beyond, connection closed with 1009 beyond twice)")
+    g.add_argument("--restart-workers", action=argparse.BooleanOptionalAction, default=_env_flag("restart_workers"),
+                   help="when a worker dies or stops answering, start new workers and keep serving (/health is "
+                        "503 meanwhile) instead of exiting with status 1")
     g.add_argument("--log-level", default=_env("log_level", "info"),
                    choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
@@ -97,7 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(args.max_live_requests, args.max_live_per_connection, args.max_body_bytes,
                           args.max_frame_bytes)
     opts = ServeOptions(args.host, args.port, args.api_key or None, args.served_model_name, args.shutdown_timeout,
-                        limits, args.log_level, args.access_log)
+                        limits, args.log_level, args.access_log, args.restart_workers)
     return run(config, opts)
 
 

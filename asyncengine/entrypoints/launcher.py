@@ -3,6 +3,11 @@
 Shutdown order on SIGINT/SIGTERM: close the listening socket, refuse new requests (503), wait up to the
 grace period for live requests, shut the engine down (aborting what is left, stopping the workers),
 then let uvicorn close the connections. A second signal skips the wait.
+
+A dead engine (a worker died or stopped answering) has already failed its in-flight requests with 503
+and /health says 503. The launcher then either starts a fresh engine with the same config
+(--restart-workers; /health stays 503 until it is ready) or exits 1 with one line on stderr, so a
+supervisor (systemd, Kubernetes) restarts the whole server.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from asyncengine.errors import AsyncEngineError, ConfigError
 
 logger = logging.getLogger("asyncengine.serve")
 UVICORN_CLOSE_TIMEOUT_S = 5.0  # after the drain, for connections to close before their tasks are cancelled
+DEATH_POLL_S = 0.1  # how often the launcher looks for a dead engine or an exited worker
+DEAD_FLUSH_S = 1.0  # before exiting on a dead engine: time for the failed streams' error frames to go out
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,11 @@ class ServeOptions:
     limits: ServerLimits = ServerLimits()
     log_level: str = "info"
     access_log: bool = False
+    restart_workers: bool = False  # on engine death: start a new engine (True) or exit 1 (False)
+
+
+class EngineDied(Exception):
+    """The served engine died and --restart-workers is off: the server exits 1."""
 
 
 class _Server(uvicorn.Server):
@@ -118,7 +130,25 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
         state.attach(engine)
         print(f"asyncengine serving {state.model_name} on http://{url_host(sock)} "
               f"(ws://{url_host(sock)}/v1/ws)", flush=True)
-        await stop.wait()
+        while True:
+            death = asyncio.create_task(wait_dead(engine), name="engine-watch")
+            if not await _first(death, stop.wait()):
+                break  # a signal: drain below
+            reason = death.result()
+            if not opts.restart_workers:
+                await state.drain(DEAD_FLUSH_S)  # the failed requests' 503s reach their clients first
+                await asyncio.sleep(0.1)  # ... and the websocket writers send what their tasks queued
+                raise EngineDied(f"engine died: {reason}")
+            logger.error("engine died (%s): restarting the workers", reason)
+            # the dead engine stays attached meanwhile: /health and new requests answer 503
+            dead, engine = engine, None
+            await dead.shutdown()
+            loading = asyncio.create_task(AsyncEngine.start(config), name="engine-restart")
+            if not await _first(loading, stop.wait()):
+                return 0
+            engine = loading.result()
+            state.attach(engine)
+            logger.warning("workers restarted: serving again")
         for listener in getattr(server, "servers", []):
             listener.close()  # stop accepting; connections already open get 503 while draining
         if not await _first(state.drain(opts.shutdown_timeout), force.wait()) or state.live:
@@ -132,6 +162,22 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await serving
         sock.close()
+
+
+async def wait_dead(engine: AsyncEngine) -> str:
+    """Returns why `engine` is dead once it is: its loop failed (a worker died or timed out mid-step), or
+    a worker exited while the engine was idle (nothing else would notice until the next request)."""
+    while True:
+        if engine.dead is not None:
+            return str(engine.dead)
+        # NOTE: only when idle: with requests live, the engine's own liveness check fails them with
+        # EngineDeadError (503) within half a second; shutting it down first would end them as "abort"
+        if not engine.requests:
+            for rank, proc in enumerate(engine.executor.procs):
+                code = proc.poll()
+                if code is not None:
+                    return f"worker {rank} (pid {proc.pid}) exited with code {code}"
+        await asyncio.sleep(DEATH_POLL_S)
 
 
 async def _first(main: Awaitable[object], other: Awaitable[object]) -> bool:
@@ -148,7 +194,7 @@ async def _first(main: Awaitable[object], other: Awaitable[object]) -> bool:
 def run(config: EngineConfig, opts: ServeOptions) -> int:
     try:
         return run_loop(serve(config, opts))
-    except (AsyncEngineError, OSError) as e:
+    except (AsyncEngineError, OSError, EngineDied) as e:
         print(f"asyncengine: error: {e}", file=sys.stderr, flush=True)
         return 1
 

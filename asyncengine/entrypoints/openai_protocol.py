@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from asyncengine.entrypoints.api_errors import ApiError
 from asyncengine.sampling_params import OutputKind, SamplingParams, SamplingParamsError
@@ -80,7 +80,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # strict: `true` is no token id
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
