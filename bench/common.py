@@ -70,24 +70,26 @@ def build_model(name: str, root: Path = MODELS) -> Path:
     return path
 
 
-def matmul_params(spec: dict[str, int]) -> int:
-    """Weights that take part in a token's matmuls (decoder projections + LM head; not the embedding)."""
+def matmul_params(spec: dict[str, int], lm_head: bool = True) -> int:
+    """Weights that take part in a token's matmuls (decoder projections [+ LM head]; not the embedding)."""
     h, i, v, L = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"], spec["num_hidden_layers"]
     kv = h * spec["num_key_value_heads"] // spec["num_attention_heads"]
     per_layer = h * h * 2 + h * kv * 2 + 3 * h * i
-    return L * per_layer + h * v
+    return L * per_layer + (h * v if lm_head else 0)
 
 
 def workload_flops(spec: dict[str, int], prompt_lens: Sequence[int], output_lens: Sequence[int]) -> float:
-    """Useful FLOPs of a workload: 2 * matmul params per token, plus attention (QK^T and PV: 4 * hidden
-    per layer per attended position). Every prompt token is counted (no prefix-cache discount), and the
-    LM head is counted for every token (a lower bound would count it only where a token is sampled)."""
+    """Useful FLOPs of a workload: 2 * decoder matmul params per token (every prompt token, no
+    prefix-cache discount: a cache hit shows as a higher roofline share), 2 * LM-head params per
+    generated token only (what is sampled), plus attention (QK^T and PV: 4 * hidden per layer per
+    attended position). The last generated token needs no forward; ignored."""
     h, L = spec["hidden_size"], spec["num_hidden_layers"]
-    per_token = 2 * matmul_params(spec)
+    body = 2 * matmul_params(spec, lm_head=False)
+    head = 2 * h * spec["vocab_size"]
     total = 0.0
     for p, o in zip(prompt_lens, output_lens):
         n = p + o
-        total += per_token * n + 4 * h * L * n * (n + 1) / 2
+        total += body * n + head * o + 4 * h * L * n * (n + 1) / 2
     return total
 
 

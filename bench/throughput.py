@@ -28,8 +28,12 @@ Engines, each with the same number of compute threads (--threads):
   VLLM_CPU_OMP_THREADS_BIND=0-(threads-1) VLLM_CPU_NUM_OF_RESERVED_CPU=0 (--threads threads).
 
 Rows: output tok/s, total tok/s (prompt + output), asyncengine's speed ratio to each column, roofline
-ratio (workload FLOPs per second / a torch.mm GEMM peak measured in this run for that dtype and thread
-count), and greedy agreement with HF (share of requests whose tokens all equal HF's).
+ratio (useful workload FLOPs per second / a torch.mm GEMM peak measured in this run for that dtype and
+thread count; FLOPs as counted by common.workload_flops: decoder matmuls for every prompt and output
+token, the LM head only for generated tokens, causal attention; a prefix-cache hit is not discounted, so
+the "shared" workload can show a higher share), and greedy agreement with HF (share of requests whose
+tokens all equal HF's; bfloat16 diverges for every engine: near-tied logits of a random model).
+`--resume` keeps the configs already in --out (written after each config) and recomputes their FLOPs.
 Writes bench/out/throughput.json and bench/out/throughput.png.
 """
 
@@ -181,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-gib", type=float, default=4.0, help="KV-cache GiB for asyncengine and vLLM")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one engine run may take")
     p.add_argument("--quick", action="store_true", help="tiny model, float32, mixed, 16 requests, short outputs")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the configs already in --out from a run with the same settings (e.g. a killed one)")
     p.add_argument("--out", type=Path, default=OUT / "throughput.json")
     args = p.parse_args(argv)
     out_len = (8, 32) if args.quick else (16, 256)
@@ -202,13 +208,33 @@ def main(argv: list[str] | None = None) -> int:
             engines.append((f"vLLM {args.threads}thr (bind)", lambda *a: run_vllm(*a, bind=True)))
         else:
             notes.append("vLLM skipped: bench/vllm_venv is absent (bash bench/setup_vllm.sh)")
+    names = [n for n, _ in engines]
     info_start = machine_info()
     print(f"{info_start['date_utc']}  {load_line(info_start)}", file=sys.stderr)
     peaks = {d: gemm_peak_flops(d, args.threads) for d in args.dtypes}
     configs = [(m, d, w) for m in args.models for d in args.dtypes for w in workloads]
-    bar = tqdm(total=len(configs) * len(engines), desc="throughput", unit="run")
+    done = load_resumable(args) if args.resume else {}
     results: list[dict[str, Any]] = []
+
+    def save(complete: bool) -> None:
+        write_json(args.out, {"args": args_json(args), "complete": complete, "machine_start": info_start,
+                              "machine_end": machine_info(), "gemm_peak_flops": peaks, "notes": notes,
+                              "results": results})
+
+    bar = tqdm(total=len(configs) * len(engines), desc="throughput", unit="run")
     for model_name, dtype, wname in configs:
+        if (model_name, dtype, wname) in done:
+            row = done[(model_name, dtype, wname)]
+            spec = MODEL_SPECS[model_name]  # FLOPs again, with this version's count (seconds are kept)
+            wl = make_workload(wname, args.num_requests, args.seed, spec["vocab_size"], output_len=out_len)
+            row["flops"] = workload_flops(spec, [len(q) for q in wl.prompts], wl.output_lens)
+            for r in row["engines"].values():
+                if r.get("seconds"):
+                    r["roofline"] = row["flops"] / r["seconds"] / row["gemm_peak_flops"]
+            results.append(row)
+            bar.update(len(engines))
+            tqdm.write(f"(resumed {model_name}/{dtype}/{wname} from {args.out})")
+            continue
         model = build_model(model_name)
         spec = MODEL_SPECS[model_name]
         wl = make_workload(wname, args.num_requests, args.seed, spec["vocab_size"], output_len=out_len)
@@ -216,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"model": model_name, "dtype": dtype, "workload": wname,
                                "num_requests": len(wl.prompts), "prompt_tokens": wl.prompt_tokens,
                                "output_tokens": wl.output_tokens, "flops": flops, "gemm_peak_flops": peaks[dtype],
-                               "engines": {}}
+                               "loadavg_before": [round(x, 2) for x in os.getloadavg()], "engines": {}}
         for name, fn in engines:
             bar.set_postfix_str(f"{model_name}/{dtype}/{wname}: {name}")
             try:
@@ -227,43 +253,32 @@ def main(argv: list[str] | None = None) -> int:
                 r["total_tok_s"] = (wl.output_tokens + wl.prompt_tokens) / r["seconds"]
                 r["roofline"] = flops / r["seconds"] / peaks[dtype]
             except Exception as e:  # one engine failing must not lose the others' numbers
-                print(f"\n{name} failed on {model_name}/{dtype}/{wname}: {type(e).__name__}: {e}", file=sys.stderr)
+                tqdm.write(f"{name} failed on {model_name}/{dtype}/{wname}: {type(e).__name__}: {e}")
                 r = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
             row["engines"][name] = r
             bar.update(1)
         ref = row["engines"].get("HF generate", {}).get("token_ids")
         for r in row["engines"].values():
             r["agree_hf"] = agreement(r.get("token_ids"), ref)
+            r.pop("token_ids", None)  # keep the JSON small: tokens only as agreement numbers
+        row["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
         results.append(row)
+        tqdm.write(config_table(row, names))
+        save(complete=False)  # a killed run keeps what it measured (--resume picks it up)
     bar.close()
     info = machine_info()
 
-    names = [n for n, _ in engines]
     print(f"\n{len(configs)} configs, {args.num_requests} requests each, {args.threads} threads per engine; "
           f"GEMM peak " + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in peaks.items()))
     print(f"start: {load_line(info_start)}\nend:   {load_line(info)}")
+    for row in results:
+        print("\n" + config_table(row, names))
     summary = []
     for row in results:
         e = row["engines"]
-        print(f"\n### {row['model']} / {row['dtype']} / {row['workload']}: {row['num_requests']} requests, "
-              f"{row['prompt_tokens']} prompt + {row['output_tokens']} output tokens")
         ae = e.get("asyncengine", {}).get("output_tok_s")
-        lines = [
-            ["seconds", *[e[n].get("seconds") for n in names]],
-            ["output tok/s", *[e[n].get("output_tok_s") for n in names]],
-            ["total tok/s", *[e[n].get("total_tok_s") for n in names]],
-            ["asyncengine speed ÷ column", *[(ae / e[n]["output_tok_s"]) if ae and e[n].get("output_tok_s")
-                                             else None for n in names]],
-            ["roofline: % of GEMM peak", *[100 * e[n]["roofline"] if e[n].get("roofline") else None
-                                           for n in names]],
-            ["greedy agreement with HF", *[e[n].get("agree_hf") for n in names]],
-        ]
-        print(table(["", *names], lines))
-        for n in names:
-            if "error" in e[n]:
-                print(f"  {n}: {e[n]['error'][:200]}")
         summary.append([f"{row['model']}/{row['dtype']}/{row['workload']}", ae,
-                        *[(ae / e[n]["output_tok_s"]) if ae and e[n].get("output_tok_s") else None
+                        *[(ae / e[n]["output_tok_s"]) if ae and e.get(n, {}).get("output_tok_s") else None
                           for n in names if n != "asyncengine"],
                         100 * e["asyncengine"]["roofline"] if e.get("asyncengine", {}).get("roofline") else None,
                         e.get("asyncengine", {}).get("agree_hf")])
@@ -272,21 +287,56 @@ def main(argv: list[str] | None = None) -> int:
                  "roofline %", "agree HF"], summary))
     for n in notes:
         print(f"note: {n}")
-
-    for row in results:  # keep JSON small: token ids only as agreement numbers
-        for r in row["engines"].values():
-            r.pop("token_ids", None)
-    write_json(args.out, {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                          "machine_start": info_start, "machine_end": info, "gemm_peak_flops": peaks,
-                          "notes": notes, "results": results})
+    save(complete=True)
     png = bar_plot(args.out.with_suffix(".png"), f"offline output tok/s ({args.threads} threads, "
                    f"load {info_start['loadavg'][0]:.1f}->{info['loadavg'][0]:.1f})",
                    [f"{r['model']}/{r['dtype']}/{r['workload']}" for r in results],
-                   {n: [r["engines"][n].get("output_tok_s") for r in results] for n in names}, "output tokens / s",
-                   log=True)
+                   {n: [r["engines"].get(n, {}).get("output_tok_s") for r in results] for n in names},
+                   "output tokens / s", log=True)
     print(f"wrote {args.out}" + (f" and {png}" if png else ""))
     faulthandler.cancel_dump_traceback_later()
     return 0
+
+
+RESUME_KEYS = ("num_requests", "seed", "threads", "engines", "max_num_seqs", "max_num_batched_tokens", "kv_gib",
+               "quick")
+
+
+def args_json(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
+def load_resumable(args: argparse.Namespace) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """Configs already measured in args.out by a run with the same settings (a killed or partial run)."""
+    try:
+        old = json.loads(args.out.read_text())
+    except (OSError, ValueError):
+        return {}
+    mine = args_json(args)
+    if any(old.get("args", {}).get(k) != mine[k] for k in RESUME_KEYS):
+        print(f"--resume: {args.out} was measured with other settings; starting over", file=sys.stderr)
+        return {}
+    return {(r["model"], r["dtype"], r["workload"]): r for r in old.get("results", [])}
+
+
+def config_table(row: dict[str, Any], names: list[str]) -> str:
+    e = row["engines"]
+    ae = e.get("asyncengine", {}).get("output_tok_s")
+    get = lambda n, k: e.get(n, {}).get(k)  # noqa: E731
+    lines = [
+        ["seconds", *[get(n, "seconds") for n in names]],
+        ["output tok/s", *[get(n, "output_tok_s") for n in names]],
+        ["total tok/s", *[get(n, "total_tok_s") for n in names]],
+        ["asyncengine speed ÷ column", *[(ae / get(n, "output_tok_s")) if ae and get(n, "output_tok_s") else None
+                                         for n in names]],
+        ["roofline: % of GEMM peak", *[100 * get(n, "roofline") if get(n, "roofline") else None for n in names]],
+        ["greedy agreement with HF", *[get(n, "agree_hf") for n in names]],
+    ]
+    head = (f"### {row['model']} / {row['dtype']} / {row['workload']}: {row['num_requests']} requests, "
+            f"{row['prompt_tokens']} prompt + {row['output_tokens']} output tokens "
+            f"(load {row.get('loadavg_before', ['?'])[0]} -> {row.get('loadavg_after', ['?'])[0]})")
+    errors = [f"  {n}: {e[n]['error'][:200]}" for n in names if "error" in e.get(n, {})]
+    return "\n".join([head, table(["", *names], lines), *errors])
 
 
 if __name__ == "__main__":
