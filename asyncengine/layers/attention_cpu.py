@@ -50,21 +50,23 @@ def _cpu_flags() -> str:
 
 
 @cache
-def load_kernel_library() -> ctypes.CDLL | None:
-    """Builds (once per source, flags and CPU) and loads the kernel; None when it cannot be built."""
+def load_kernel_library(portable: bool = False) -> ctypes.CDLL | None:
+    """Builds (once per source, flags and CPU) and loads the kernel; None when it cannot be built.
+    `portable` builds the plain-C variant even where AVX-512 is available (tests cover both)."""
+    flags = [*CFLAGS, "-mno-avx512f"] if portable else CFLAGS
     compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if compiler is None:
         logger.warning("no C compiler found: CPU attention falls back to the PyTorch reference")
         return None
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(CFLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
     target = _cache_dir() / f"paged_attention-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
+            subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
                            timeout=120)
             os.replace(tmp, target)  # atomic: workers compiling at once never load a half-written file
         except (subprocess.SubprocessError, OSError) as e:
@@ -82,8 +84,8 @@ def load_kernel_library() -> ctypes.CDLL | None:
 class CpuAttentionBackend:
     """Paged attention for CPU workers: the C kernel over the cache, SDPA for fresh prefills."""
 
-    def __init__(self) -> None:
-        self.lib = load_kernel_library()
+    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
+        self.lib = lib or load_kernel_library()
         self.reference = TorchAttentionBackend()
 
     def forward(

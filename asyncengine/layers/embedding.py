@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.errors import ModelLoadError
+from asyncengine.layers import cpu_gemm
 from asyncengine.layers.parallel import ParallelContext, tp_all_gather, tp_all_reduce
 
 
@@ -59,12 +60,26 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocabulary; each rank computes its vocab slice, then all-gather."""
 
+    packed: torch.Tensor | None = None  # the weight in oneDNN's layout, on CPU (layers/cpu_gemm.py)
+    tied = False
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Shares the embedding's weight (tied word embeddings on a stage that holds both)."""
         self.weight = embedding.weight
+        self.tied = True
+
+    def prepack(self) -> bool:
+        """Packs the weight for the logits GEMM; a tied weight stays for the embedding lookup too."""
+        self.packed = cpu_gemm.prepack(self.weight)
+        if self.packed is not None and not self.tied:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        return self.packed is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        logits = F.linear(hidden, self.weight)  # [N, per_rank]
+        if self.packed is not None:
+            logits = cpu_gemm.linear(hidden, self.packed, None)  # [N, per_rank]
+        else:
+            logits = F.linear(hidden, self.weight)  # [N, per_rank]
         logits = tp_all_gather(logits, self.parallel, dim=-1)  # [N, padded vocab]
         return logits[:, : self.num_embeddings].float()
 

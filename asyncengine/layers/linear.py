@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.errors import ModelLoadError
+from asyncengine.layers import cpu_gemm
 from asyncengine.layers.parallel import ParallelContext, tp_all_gather, tp_all_reduce
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
@@ -59,7 +60,9 @@ class _ParallelLinear(nn.Module):
     def __init__(self, in_per_rank: int, out_per_rank: int, bias: bool, parallel: ParallelContext) -> None:
         super().__init__()
         self.parallel = parallel
+        self.in_per_rank, self.out_per_rank = in_per_rank, out_per_rank
         self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank), requires_grad=False)
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout, on CPU (layers/cpu_gemm.py)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
         if bias:
@@ -69,9 +72,21 @@ class _ParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         raise NotImplementedError
 
+    def prepack(self) -> bool:
+        """Swaps the weight for its oneDNN-packed copy where that applies (CPU, after loading)."""
+        self.packed = cpu_gemm.prepack(self.weight)
+        if self.packed is not None:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy is the only one
+        return self.packed is not None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.packed is not None:
+            return cpu_gemm.linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
     def extra_repr(self) -> str:
-        out_f, in_f = self.weight.shape
-        return f"in_per_rank={in_f}, out_per_rank={out_f}, bias={self.bias is not None}, tp={self.parallel.tp_size}"
+        return (f"in_per_rank={self.in_per_rank}, out_per_rank={self.out_per_rank}, bias={self.bias is not None}, "
+                f"tp={self.parallel.tp_size}, packed={self.packed is not None}")
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -94,7 +109,7 @@ class ColumnParallelLinear(_ParallelLinear):
         copy_checked(param.data, loaded.narrow(0, self.parallel.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp] (or [T, out] gathered)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return tp_all_gather(y, self.parallel) if self.gather_output else y
 
 
@@ -207,6 +222,6 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
         if self.parallel.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)  # one fused op, bit-identical to nn.Linear
-        y = tp_all_reduce(F.linear(x, self.weight), self.parallel)
+            return self.matmul(x, self.bias)  # one fused op
+        y = tp_all_reduce(self.matmul(x, None), self.parallel)
         return y + self.bias if self.bias is not None else y

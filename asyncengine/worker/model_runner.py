@@ -15,6 +15,7 @@ from torch import nn
 
 from asyncengine.config import EngineConfig
 from asyncengine.cuda.graph_runner import GraphRunner, ModelInputs
+from asyncengine.layers import cpu_gemm
 from asyncengine.layers.attention import Attention, AttentionMetadata, forward_context
 from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
 from asyncengine.layers.sampler import Sampler, SamplerOutput, SamplingRow
@@ -41,6 +42,8 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.model: nn.Module = load_model(config.model, parallel, dtype, device, progress=progress)
+        if device.type == "cpu":
+            cpu_gemm.prepack_model(self.model)  # weights in oneDNN's layout: no re-packing per GEMM
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler(config.seed, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -84,3 +84,18 @@ def test_padding_rows_read_nothing() -> None:
     ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
     torch.testing.assert_close(got[:2], ref, atol=1e-5, rtol=1e-4)
     assert torch.all(got[2:] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_dim", [((4, 4), 64), ((8, 2), 80), ((12, 12), 64)])
+def test_both_builds_match_reference(dtype, heads, head_dim) -> None:
+    """The AVX-512 build (where the CPU has it) and the portable build both match the reference, with
+    enough rows and heads that the work splits into head runs and long contexts cross many blocks."""
+    num_heads, num_kv_heads = heads
+    q, k, v, kc, vc, meta = build_batch([1, 1, 1, 3, 1], [0, 17, 64, 40, 300], num_heads, num_kv_heads, head_dim, 16,
+                                        dtype)
+    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, 0.1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for lib in (load_kernel_library(), load_kernel_library(portable=True)):
+        got = CpuAttentionBackend(lib).forward(q, k, v, kc, vc, meta, 0.1)
+        torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)

@@ -1,0 +1,53 @@
+"""oneDNN-packed linear layers on CPU: same results as F.linear, and the original weight is released."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncengine.layers import cpu_gemm
+from asyncengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from asyncengine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from asyncengine.layers.parallel import ParallelContext
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.enabled(), reason="torch built without oneDNN")
+
+SINGLE = ParallelContext()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("layer_cls,bias", [(ColumnParallelLinear, True), (RowParallelLinear, False)])
+def test_packed_linear_matches_f_linear(dtype, m, layer_cls, bias) -> None:
+    torch.manual_seed(m)
+    layer = layer_cls(96, 80, SINGLE, bias=bias).to(dtype)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
+        if layer.bias is not None:
+            layer.bias.normal_()
+    w, b = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()
+    x = torch.randn(m, 96, dtype=dtype)
+    assert layer.prepack()
+    assert layer.weight.numel() == 0 and layer.packed is not None  # one copy of the weight, the packed one
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(layer(x).float(), F.linear(x, w, b).float(), atol=tol, rtol=tol)
+
+
+def test_tied_lm_head_keeps_the_embedding() -> None:
+    emb = VocabParallelEmbedding(50, 32, SINGLE)
+    head = ParallelLMHead(50, 32, SINGLE)
+    with torch.no_grad():
+        emb.weight.normal_()
+    head.tie_to(emb)
+    w = emb.weight.detach().clone()
+    assert cpu_gemm.prepack_model(torch.nn.ModuleList([emb, head])) == 1
+    assert torch.equal(emb.weight, w)  # still there for the lookup
+    h = torch.randn(3, 32)
+    torch.testing.assert_close(head.compute_logits(h), F.linear(h, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(emb(torch.tensor([1, 49])), w[[1, 49]])
+
+
+def test_prepack_skips_other_devices_and_dtypes() -> None:
+    assert cpu_gemm.prepack(torch.randn(4, 4, dtype=torch.float16)) is None
+    assert cpu_gemm.prepack(torch.randn(4)) is None
