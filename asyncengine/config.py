@@ -104,15 +104,39 @@ class EngineConfig:
 
 
 
-def layer_range(num_layers: int, pp_rank: int, pp_size: int, partition: tuple[int, ...] | None) -> tuple[int, int]:
-    """[start, end) of the decoder layers that pipeline stage `pp_rank` owns."""
+def layer_range(num_layers: int, pp_rank: int, pp_size: int, partition: tuple[int, ...] | None,
+                head_cost: float = 0.0) -> tuple[int, int]:
+    """[start, end) of the decoder layers that pipeline stage `pp_rank` owns.
+
+    Without an explicit partition the stages get equal work, counting the final norm + LM head +
+    sampler that only the last stage runs as `head_cost` decoder layers (see `default_partition`)."""
     if partition is None:
-        base, extra = divmod(num_layers, pp_size)
-        # NOTE: the remainder goes to the first stages; the last stage also runs norm + LM head + sampler.
-        partition = tuple(base + (1 if i < extra else 0) for i in range(pp_size))
+        partition = default_partition(num_layers, pp_size, head_cost)
     if sum(partition) != num_layers:
         raise ConfigError(f"pp_layer_partition {partition} does not add up to {num_layers} layers")
     if any(n < 1 for n in partition):
         raise ConfigError(f"{pp_size} pipeline stages need at least {pp_size} layers, model has {num_layers}")
     start = sum(partition[:pp_rank])
     return start, start + partition[pp_rank]
+
+
+def default_partition(num_layers: int, pp_size: int, head_cost: float = 0.0) -> tuple[int, ...]:
+    """Layers per stage so that no stage is the pipeline's bottleneck: the last stage's layer count is
+    chosen so the busiest stage (the last one counting head_cost) has the least work; the others share
+    the rest evenly, remainder to the first ones. With head_cost 0 this is the plain even split. Example: a 12-layer model whose
+    LM head costs 1.7 layers runs 7 + 5 on two stages, not 6 + 6 (which left stage 0 idle a third of
+    the time in bench/pipeline.py)."""
+    if pp_size < 1 or num_layers < pp_size:
+        raise ConfigError(f"{pp_size} pipeline stages need at least {pp_size} layers, model has {num_layers}")
+    if pp_size == 1:
+        return (num_layers,)
+
+    def split(last: int) -> tuple[int, ...]:
+        base, extra = divmod(num_layers - last, pp_size - 1)
+        return (*(base + (1 if i < extra else 0) for i in range(pp_size - 1)), last)
+
+    def badness(last: int) -> tuple[float, float, int]:  # bottleneck stage, then spread, then fewer on the last
+        costs = [*split(last)[:-1], last + head_cost]
+        return max(costs), max(costs) - min(costs), last
+
+    return split(min(range(1, num_layers - pp_size + 2), key=badness))

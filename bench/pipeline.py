@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Pipeline-parallel throughput: P=1 vs P=2 side by side in one run, on CPU, one torch thread per worker.
 
-    python bench/pipeline.py                      # P=1, P=2 (even 6/6 split), P=2 (7/5 split)
+    python bench/pipeline.py                      # P=1, P=2 (default split: 7/5), P=2 (even 6/6 split)
     python bench/pipeline.py --repeat 3           # best of 3 per config, interleaved (noisy machines)
 
 Model: the "medium" random Llama of bench/common.py (hidden 768, 12 layers, 12 heads, intermediate 2048,
@@ -16,7 +16,9 @@ reach if each stage had a core to itself and never waited. It separates what the
 scheduling loses (busy < 100% on free cores) from what the hardware costs: a P=2 stage multiplies
 [32, 768] activations where P=1 multiplies [64, 768] ones (each batch holds half the sequences),
 which on one core is less efficient per token, and the last stage also runs the LM head (768 x
-32000, a fifth of the FLOPs), so the even split leaves the first stage waiting; 7/5 balances it.
+32000, a fifth of the FLOPs), so the even split leaves the first stage waiting; the default split
+(asyncengine.config.default_partition) counts the head and gives 7/5. "engine busy" is the CPU time
+of this process (the engine loop and the caller) over the run: it shares the 2 cores with the workers.
 """
 
 from __future__ import annotations
@@ -65,11 +67,12 @@ def run(model: Path, pp: int, partition: tuple[int, ...] | None, prompts: list[l
     try:
         llm.generate(prompts[: 2 * pp], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         pids = [p.pid for p in llm.engine.executor.procs]
-        steps0, cpu0 = num_steps(llm), [cpu_seconds(pid) for pid in pids]
+        steps0, cpu0, engine0 = num_steps(llm), [cpu_seconds(pid) for pid in pids], time.process_time()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - t0
         steps, cpu = num_steps(llm) - steps0, [cpu_seconds(pid) - c for pid, c in zip(pids, cpu0)]
+        engine_cpu = time.process_time() - engine0  # this process: the engine loop's thread and the caller
     finally:
         llm.shutdown()
     tokens = [o.outputs[0].token_ids for o in outs]
@@ -77,11 +80,12 @@ def run(model: Path, pp: int, partition: tuple[int, ...] | None, prompts: list[l
     return {"pp": pp, "partition": list(partition) if partition else None, "seconds": elapsed,
             "output_tokens": generated, "prompt_tokens": prompt_tokens, "output_tok_s": generated / elapsed,
             "total_tok_s": (generated + prompt_tokens) / elapsed, "steps": steps, "worker_cpu_s": cpu,
-            "worker_busy": [c / elapsed for c in cpu], "tokens": tokens}
+            "worker_busy": [c / elapsed for c in cpu], "engine_busy": engine_cpu / elapsed, "tokens": tokens}
 
 
 def name_of(r: dict[str, Any]) -> str:
-    return f"P={r['pp']}" + (f" ({'/'.join(map(str, r['partition']))})" if r["partition"] else "")
+    return f"P={r['pp']}" + (f" ({'/'.join(map(str, r['partition']))})" if r["partition"] else
+                             (" (default split)" if r["pp"] > 1 else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 128))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 64))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--partition", default="7,5",
-                        help="also run P=2 with this layer split ('none' to skip); the first stage gets 7 layers")
+    parser.add_argument("--partition", default="6,6",
+                        help="also run P=2 with this layer split ('none' to skip); the default split is "
+                             "balanced for the LM head (7,5 here), this one is the even split")
     parser.add_argument("--repeat", type=int, default=1, help="runs per config (interleaved); the best counts")
     parser.add_argument("--num-kv-blocks", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -123,13 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         r["ceiling"] = p1_cpu / max(r["worker_cpu_s"])
         rows.append([name_of(r), r["seconds"], r["output_tok_s"], r["total_tok_s"], f"{r['ratio']:.2f}x",
                      f"{r['ceiling']:.2f}x", r["steps"], " ".join(f"{b:.0%}" for b in r["worker_busy"]),
+                     f"{r['engine_busy']:.0%}",
                      f"{same}/{len(prompts)}"])
 
     print(f"\n{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs "
           f"{args.output_len[0]}-{args.output_len[1]}; random Llama {MODEL} (768 x 12 layers); one thread per "
           f"worker; best of {args.repeat}; {load_line(info)}")
-    print(table(["config", "seconds", "out tok/s", "total tok/s", "vs P=1", "ceiling", "steps", "busy",
-                 "same tokens"], rows))
+    print(table(["config", "seconds", "out tok/s", "total tok/s", "vs P=1", "ceiling", "steps", "worker busy",
+                 "engine busy", "same tokens"], rows))
     print(f"P=2 / P=1 (output tokens/s): {results[1]['ratio']:.2f}x"
           + (f"; with the {name_of(results[2])} split: {results[2]['ratio']:.2f}x" if len(results) > 2 else ""))
 

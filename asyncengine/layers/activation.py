@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.errors import ModelLoadError
+from asyncengine.layers import cpu_ops
 
 ActFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -48,8 +49,12 @@ class ActAndMul(nn.Module):
     def __init__(self, act_name: str = "silu") -> None:
         super().__init__()
         self.act = get_act_fn(act_name)
+        self.is_silu = self.act is F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * inter] -> [num_tokens, inter]
+        fused = cpu_ops.silu_and_mul(x) if self.is_silu else None
+        if fused is not None:
+            return fused
         half = x.shape[-1] // 2
         return self.act(x[..., :half]) * x[..., half:]
 

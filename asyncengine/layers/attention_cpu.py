@@ -12,12 +12,7 @@ cache; without a compiler, or for dtypes it does not cover, the reference backen
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -25,55 +20,22 @@ import torch
 
 from asyncengine.layers.attention import AttentionMetadata
 from asyncengine.layers.attention_torch import TorchAttentionBackend, _causal_attention
+from asyncengine.layers.csrc_build import build_library
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _KERNELS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 # limits compiled into the kernel (MAX_HEAD_DIM, MAX_BLOCK, MAX_GROUP); beyond them: the reference
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("ASYNCENGINE_CACHE_DIR") or Path.home() / ".cache" / "asyncengine"
-    return Path(root)
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
 
 
 @cache
 def load_kernel_library(portable: bool = False) -> ctypes.CDLL | None:
     """Builds (once per source, flags and CPU) and loads the kernel; None when it cannot be built.
     `portable` builds the plain-C variant even where AVX-512 is available (tests cover both)."""
-    flags = [*CFLAGS, "-mno-avx512f"] if portable else CFLAGS
-    compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
-    if compiler is None:
-        logger.warning("no C compiler found: CPU attention falls back to the PyTorch reference")
+    lib = build_library(SOURCE, portable)
+    if lib is None:
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
-                           timeout=120)
-            os.replace(tmp, target)  # atomic: workers compiling at once never load a half-written file
-        except (subprocess.SubprocessError, OSError) as e:
-            logger.warning("building the CPU attention kernel failed (%s): using the PyTorch reference", e)
-            Path(tmp).unlink(missing_ok=True)
-            return None
-    lib = ctypes.CDLL(str(target))
     for name in _KERNELS.values():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int

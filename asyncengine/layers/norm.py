@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from asyncengine.layers import cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -13,6 +15,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., hidden]
+        fused = cpu_ops.rms_norm(x, self.weight, self.eps) if x.dim() == 2 else None
+        if fused is not None:
+            return fused[0]
         # NOTE: HF normalises in float32 but multiplies by the weight in the input dtype; do the same so
         # bf16 / fp16 results match the reference.
         dtype = x.dtype
@@ -26,6 +31,11 @@ class RMSNorm(nn.Module):
         residual: torch.Tensor,  # [num_tokens, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual = x + residual)
         """Adds the residual stream and normalises: one call where a pre-norm block has two steps."""
+        fused = cpu_ops.rms_norm(x, self.weight, self.eps, residual)
+        if fused is not None:
+            out, new_residual = fused
+            assert new_residual is not None
+            return out, new_residual
         x = x + residual
         return self.forward(x), x
 

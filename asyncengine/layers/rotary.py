@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from asyncengine.errors import ModelLoadError
+from asyncengine.layers import cpu_ops
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -102,6 +103,9 @@ def apply_rotary(
     sin: torch.Tensor,
     head_dim: int,
 ) -> torch.Tensor:  # [T, num_heads * head_dim]
+    fused = cpu_ops.rotary(x, cos, sin, head_dim)
+    if fused is not None:
+        return fused
     half = cos.shape[-1]
     x = x.view(x.shape[0], -1, head_dim)  # [T, H, D]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, rotary_dim / 2]

@@ -46,6 +46,25 @@ def model_dtype(hf_config: Any) -> torch.dtype:
     return _DTYPES[name]
 
 
+def lm_head_cost(hf_config: Any) -> float:
+    """The LM head's matmul work in decoder layers' worth, for balancing pipeline stages.
+
+    Per token a decoder layer multiplies by its attention and MLP weights, the head by a
+    [vocab, hidden] matrix; but the head only runs for tokens that sample (every decode token, one
+    per prompt), so its cost is halved: a middle between decode-bound and prefill-bound work."""
+    hidden = int(getattr(hf_config, "hidden_size", 0) or getattr(hf_config, "n_embd", 0))
+    vocab = int(getattr(hf_config, "vocab_size", 0))
+    if not hidden or not vocab:
+        return 0.0
+    heads = int(getattr(hf_config, "num_attention_heads", 0) or getattr(hf_config, "n_head", 1))
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", 0) or heads)
+    inter = int(getattr(hf_config, "intermediate_size", 0) or getattr(hf_config, "n_inner", 0) or 4 * hidden)
+    gated = not hasattr(hf_config, "n_embd")  # Llama-family MLPs have gate, up and down; GPT-2 two
+    attention = 2 * hidden * hidden + 2 * hidden * hidden * kv_heads // heads
+    layer = attention + (3 if gated else 2) * hidden * inter
+    return 0.5 * vocab * hidden / layer
+
+
 def model_max_len(hf_config: Any) -> int:
     """The longest context the model supports.
 

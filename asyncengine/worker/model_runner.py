@@ -64,10 +64,11 @@ class ModelRunner:
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append((layer.k_cache, layer.v_cache))
-        # Decode steps of the first stage go through the GraphRunner: CUDA graphs on a GPU, padded
-        # static buffers everywhere. Later stages receive their input from the previous stage and run
-        # eagerly (see docs/architecture.md).
-        if self.parallel.is_first_stage:
+        # Decode steps of the first stage go through the GraphRunner on a GPU (CUDA graphs; eager on
+        # padded static buffers with enforce_eager). Later stages receive their input from the
+        # previous stage and run eagerly (see docs/architecture.md). A CPU runs every step eagerly on
+        # the batch as it is: without graphs, padding to a captured size only adds rows (up to 7 in 40).
+        if self.parallel.is_first_stage and self.device.type == "cuda":
             self.graph_runner = GraphRunner(
                 self._decode_forward,
                 max_num_seqs=self.config.max_num_seqs,

@@ -20,7 +20,7 @@ from asyncengine.cuda.memory import profile_and_size, size_kv_cache_cpu
 from asyncengine.layers.attention import AttentionBackend, set_attention_backend
 from asyncengine.layers.parallel import ParallelContext
 from asyncengine.layers.sampler import SamplerOutput
-from asyncengine.models.loader import get_model_config, model_dtype, model_max_len
+from asyncengine.models.loader import get_model_config, lm_head_cost, model_dtype, model_max_len
 from asyncengine.transport.process_group import Topology, destroy_process_groups, init_process_groups
 from asyncengine.transport.stage_link import StageLink
 from asyncengine.transport.wire import ExecuteModelRequest, InitWorker, ModelOutput, pack_ids
@@ -70,7 +70,8 @@ class Worker:
         groups = init_process_groups(self.topology, init.dist_init_method, dist_backend(self.device))
         hf_config = get_model_config(config.model)
         num_layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
-        start, end = layer_range(num_layers, self.topology.pp_rank, self.topology.pp_size, config.pp_layer_partition)
+        start, end = layer_range(num_layers, self.topology.pp_rank, self.topology.pp_size, config.pp_layer_partition,
+                                 head_cost=lm_head_cost(hf_config))
         self.parallel = ParallelContext(
             tp_rank=self.topology.tp_rank, tp_size=self.topology.tp_size, pp_rank=self.topology.pp_rank,
             pp_size=self.topology.pp_size, layer_start=start, layer_end=end, tp_group=groups.tp_group,

@@ -1,0 +1,103 @@
+"""Fused CPU element-wise ops (csrc/cpu_ops.c): RMSNorm (+ residual add), SiLU-and-mul, rotary.
+
+Each returns None when it does not apply (not a CPU tensor, a dtype other than float32 / bfloat16,
+no compiler, or ASYNCENGINE_CPU_OPS=0) and the caller runs its PyTorch code instead; the results
+equal PyTorch's up to float32 summation order (tests/asyncengine/layers/test_cpu_ops.py). In a
+bfloat16 decode step of a 12-layer model they replace ~100 torch ops per layer-set with 4 calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from asyncengine.layers.csrc_build import build_library
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_SIGNATURES = {
+    "rms_norm": [_P, _L, _P, _P, _P, _P, _I, _I, _F, _I],
+    "silu_and_mul": [_P, _P, _I, _I, _I],
+    "rotary": [_P, _L, _P, _P, _P, _I, _I, _I, _I, _I],
+}
+
+
+@cache
+def load_ops_library(portable: bool = False) -> ctypes.CDLL | None:
+    lib = build_library(SOURCE, portable)
+    if lib is None:
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        for suffix in _SUFFIX.values():
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.restype = None
+            fn.argtypes = argtypes
+    return lib
+
+
+def _lib_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    t = tensors[0]
+    if t.device.type != "cpu" or t.dtype not in _SUFFIX or any(x.dtype != t.dtype for x in tensors):
+        return None
+    if os.environ.get("ASYNCENGINE_CPU_OPS", "1") == "0":
+        return None
+    return load_ops_library()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x as [rows, width] with unit stride along width (row stride free), or None."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        return None
+    return x
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """[T, hidden] -> (norm(x'), x') with x' = x + residual, or (norm(x), None) without a residual."""
+    lib = _lib_for(x, weight) if residual is None else _lib_for(x, weight, residual)
+    x2 = _rows(x)
+    if lib is None or x2 is None or not weight.is_contiguous():
+        return None
+    rows, hidden = x2.shape
+    out = torch.empty(rows, hidden, dtype=x.dtype)
+    new_residual = None
+    if residual is not None:
+        residual = residual.contiguous()
+        new_residual = torch.empty(rows, hidden, dtype=x.dtype)
+    getattr(lib, f"rms_norm_{_SUFFIX[x.dtype]}")(
+        x2.data_ptr(), x2.stride(0), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+        out.data_ptr(), new_residual.data_ptr() if new_residual is not None else None, rows, hidden, eps,
+        torch.get_num_threads())
+    return out, new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """[T, 2 * inter] = [gate | up] -> silu(gate) * up, [T, inter]."""
+    lib = _lib_for(x)
+    if lib is None or x.dim() != 2 or x.shape[1] % 2:
+        return None
+    x = x.contiguous()
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=x.dtype)
+    getattr(lib, f"silu_and_mul_{_SUFFIX[x.dtype]}")(x.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor | None:
+    """Rotate-half rotary embedding of [T, heads * head_dim] with [T, half] cos / sin tables."""
+    lib = _lib_for(x, cos, sin)
+    x2 = _rows(x)
+    if lib is None or x2 is None or x.shape[1] % head_dim:
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    rows, width = x2.shape
+    out = torch.empty(rows, width, dtype=x.dtype)
+    getattr(lib, f"rotary_{_SUFFIX[x.dtype]}")(
+        x2.data_ptr(), x2.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows, width // head_dim,
+        head_dim, cos.shape[-1], torch.get_num_threads())
+    return out

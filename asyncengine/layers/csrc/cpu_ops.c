@@ -1,0 +1,142 @@
+/* Fused element-wise ops for CPU workers: RMSNorm (+ residual add), SiLU-and-mul, rotary embedding.
+ *
+ * In torch each of these is 3-8 separate ops, each a pass over memory with an allocation and a
+ * dispatch (in bfloat16 also a widen and a narrow per op); at decode sizes that overhead dominates.
+ * Each function here is one pass per row. They reproduce torch's rounding chain in the narrow dtype
+ * (every intermediate result torch would store as bf16 is rounded to bf16 here too), so a bf16 model
+ * computes what the torch code computes up to float32 summation order. Rows are split across OpenMP
+ * threads when there is enough work. Built by asyncengine/layers/csrc_build.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PAR_MIN 32768 /* elements below which waking threads costs more than it saves */
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fff + ((u >> 16) & 1); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load_f32(float x) { return x; }
+static inline float store_f32(float x) { return x; }
+static inline float round_f32(float x) { return x; }
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* exp(x), 16 lanes, Cephes' expf polynomial; ~0 below -87, inf above 88 (scalef overflows). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(127.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* silu(g) = g / (1 + exp(-g)) for 16 floats at p, written back in place. */
+static inline void silu16(float *p) {
+    const __m512 g = _mm512_loadu_ps(p);
+    _mm512_storeu_ps(p, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+}
+#define HAVE_SILU16 1
+#endif
+
+static inline float silu1(float g) { return g / (1.0f + expf(-g)); }
+
+#define DEFINE_OPS(SUF, T, LOAD, STORE, ROUND)                                                          \
+/* out = weight * T(x' * rsqrt(mean(x'^2) + eps)), x' = T(x + residual) (also stored in residual_out)   \
+ * or x when residual is NULL. Rows of x are x_stride elements apart; everything else is contiguous. */ \
+void rms_norm_##SUF(const T *x, long x_stride, const T *residual, const T *weight, T *out,               \
+                    T *residual_out, int rows, int hidden, float eps, int num_threads) {                 \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * hidden >= PAR_MIN)") \
+    for (int r = 0; r < rows; r++) {                                                                    \
+        const T *xr = x + (long)r * x_stride;                                                           \
+        const T *rr = residual ? residual + (long)r * hidden : 0;                                       \
+        T *ro = residual_out ? residual_out + (long)r * hidden : 0;                                     \
+        T *o = out + (long)r * hidden;                                                                  \
+        float ss = 0.f;                                                                                 \
+        if (rr) {                                                                                       \
+            _Pragma("omp simd reduction(+:ss)")                                                         \
+            for (int d = 0; d < hidden; d++) {                                                          \
+                const float s = ROUND(LOAD(xr[d]) + LOAD(rr[d]));                                       \
+                ro[d] = STORE(s);                                                                       \
+                ss += s * s;                                                                            \
+            }                                                                                           \
+        } else {                                                                                        \
+            _Pragma("omp simd reduction(+:ss)")                                                         \
+            for (int d = 0; d < hidden; d++) { const float s = LOAD(xr[d]); ss += s * s; }              \
+        }                                                                                               \
+        const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);                                       \
+        const T *src = rr ? ro : xr;                                                                    \
+        _Pragma("omp simd")                                                                             \
+        for (int d = 0; d < hidden; d++) o[d] = STORE(LOAD(weight[d]) * ROUND(LOAD(src[d]) * inv));     \
+    }                                                                                                   \
+}                                                                                                       \
+                                                                                                        \
+/* out[r] = T(silu(gate)) * up for x[r] = [gate | up], each `inter` wide. */                            \
+void silu_and_mul_##SUF(const T *x, T *out, int rows, int inter, int num_threads) {                     \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * inter >= PAR_MIN)") \
+    for (int r = 0; r < rows; r++) {                                                                    \
+        const T *g = x + (long)r * 2 * inter, *u = g + inter;                                           \
+        T *o = out + (long)r * inter;                                                                   \
+        float buf[64];                                                                                  \
+        for (int d0 = 0; d0 < inter; d0 += 64) {                                                        \
+            const int n = inter - d0 < 64 ? inter - d0 : 64;                                            \
+            for (int d = 0; d < n; d++) buf[d] = LOAD(g[d0 + d]);                                       \
+            int d = 0;                                                                                  \
+            SILU_BLOCK                                                                                  \
+            for (; d < n; d++) buf[d] = silu1(buf[d]);                                                  \
+            for (d = 0; d < n; d++) o[d0 + d] = STORE(ROUND(buf[d]) * LOAD(u[d0 + d]));                 \
+        }                                                                                               \
+    }                                                                                                   \
+}                                                                                                       \
+                                                                                                        \
+/* Rotary embedding (rotate-half / NeoX layout) of `heads` heads per row: for the first 2 * half dims  \
+ * of a head, [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]; the rest is copied. x rows are x_stride  \
+ * elements apart; out is contiguous [rows, heads * head_dim]; cos, sin are [rows, half] in T. */       \
+void rotary_##SUF(const T *x, long x_stride, const T *cos, const T *sin, T *out, int rows, int heads,  \
+                  int head_dim, int half, int num_threads) {                                            \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * heads * head_dim >= PAR_MIN)") \
+    for (int r = 0; r < rows; r++) {                                                                    \
+        const T *c = cos + (long)r * half, *s = sin + (long)r * half;                                   \
+        for (int h = 0; h < heads; h++) {                                                               \
+            const T *xh = x + (long)r * x_stride + (long)h * head_dim;                                  \
+            T *oh = out + ((long)r * heads + h) * head_dim;                                             \
+            _Pragma("omp simd")                                                                         \
+            for (int d = 0; d < half; d++) {                                                            \
+                const float x1 = LOAD(xh[d]), x2 = LOAD(xh[half + d]), cd = LOAD(c[d]), sd = LOAD(s[d]); \
+                oh[d] = STORE(ROUND(x1 * cd) - ROUND(x2 * sd));                                         \
+                oh[half + d] = STORE(ROUND(x2 * cd) + ROUND(x1 * sd));                                  \
+            }                                                                                           \
+            for (int d = 2 * half; d < head_dim; d++) oh[d] = xh[d];                                    \
+        }                                                                                               \
+    }                                                                                                   \
+}
+
+#ifdef HAVE_SILU16
+#define SILU_BLOCK for (; d + 16 <= n; d += 16) silu16(buf + d);
+#else
+#define SILU_BLOCK
+#endif
+
+DEFINE_OPS(f32, float, load_f32, store_f32, round_f32)
+DEFINE_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)

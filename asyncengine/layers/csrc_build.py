@@ -1,0 +1,64 @@
+"""Builds the C sources in layers/csrc/ into shared libraries on first use, cached per machine.
+
+The kernels are plain C (no torch headers), compiled by the system compiler in well under a second
+and loaded with ctypes; tensors are passed as data pointers. The cache key covers the source, the
+flags and the CPU's feature flags, so a copied cache directory never loads code built for another CPU.
+Without a compiler, or when the build fails, callers get None and use their PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# -ffp-contract=off: a*b - c*d stays two rounded products, as torch computes it (no implicit FMA)
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+PORTABLE_FLAGS = ["-mno-avx512f"]  # the plain-C variants, even where AVX-512 exists (tests cover both)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ASYNCENGINE_CACHE_DIR") or Path.home() / ".cache" / "asyncengine"
+    return Path(root)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_library(source: Path, portable: bool = False) -> ctypes.CDLL | None:
+    """Compiles `source` (once per source, flags and CPU) and loads it; None when it cannot be built."""
+    compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if compiler is None:
+        logger.warning("no C compiler found: %s falls back to PyTorch", source.name)
+        return None
+    flags = [*CFLAGS, *PORTABLE_FLAGS] if portable else CFLAGS
+    code = source.read_bytes()
+    key = hashlib.sha256(code + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *flags, "-o", tmp, str(source), "-lm"], check=True, capture_output=True,
+                           timeout=120)
+            os.replace(tmp, target)  # atomic: workers compiling at once never load a half-written file
+        except (subprocess.SubprocessError, OSError) as e:
+            logger.warning("building %s failed (%s): using PyTorch instead", source.name, e)
+            Path(tmp).unlink(missing_ok=True)
+            return None
+    return ctypes.CDLL(str(target))

@@ -1,0 +1,75 @@
+"""The fused CPU ops (csrc/cpu_ops.c) against the PyTorch code they replace, in both builds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncengine.layers import cpu_ops
+from asyncengine.layers.activation import ActAndMul
+from asyncengine.layers.norm import RMSNorm
+from asyncengine.layers.rotary import apply_rotary
+
+pytestmark = pytest.mark.skipif(cpu_ops.load_ops_library() is None, reason="no C compiler")
+
+
+@pytest.fixture(params=[False, True], ids=["native", "portable"])
+def build(request, monkeypatch):
+    lib = cpu_ops.load_ops_library(portable=request.param)
+    monkeypatch.setattr(cpu_ops, "load_ops_library", lambda portable=False: lib)
+
+
+def torch_path(fn, *args, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setenv("ASYNCENGINE_CPU_OPS", "0")
+        return fn(*args)
+
+
+def check(got, ref, dtype) -> None:
+    if dtype == torch.bfloat16:
+        # the same rounding chain as torch: equal except where a float32 sum order flips a last bit
+        assert (got != ref).float().mean().item() < 1e-3
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=1e-2)
+    else:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 100), (300, 768)])
+def test_rms_norm(build, monkeypatch, dtype, rows, hidden) -> None:
+    torch.manual_seed(rows)
+    norm = RMSNorm(hidden, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(rows, 3 * hidden, dtype=dtype)[:, hidden : 2 * hidden]  # a strided view, like a qkv split
+    residual = torch.randn(rows, hidden, dtype=dtype)
+    ref, ref_res = torch_path(norm.fused_add, x, residual, monkeypatch=monkeypatch)
+    got, got_res = norm.fused_add(x, residual)
+    assert torch.equal(got_res, ref_res)
+    check(got, ref, dtype)
+    check(norm(x), torch_path(norm, x, monkeypatch=monkeypatch), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 40), (64, 2048), (3, 100)])
+def test_silu_and_mul(build, monkeypatch, dtype, rows, inter) -> None:
+    act = ActAndMul("silu")
+    x = torch.randn(rows, 2 * inter, dtype=dtype) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturating exponentials
+    check(act(x), torch_path(act, x, monkeypatch=monkeypatch), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,half", [(64, 32), (80, 16), (128, 64)])  # (80, 16): partial rotary
+def test_rotary(build, monkeypatch, dtype, head_dim, half) -> None:
+    rows, heads = 9, 3
+    x = torch.randn(rows, 2 * heads * head_dim, dtype=dtype)[:, : heads * head_dim]
+    cos, sin = torch.randn(rows, half, dtype=dtype), torch.randn(rows, half, dtype=dtype)
+    got = apply_rotary(x, cos, sin, head_dim)
+    ref = torch_path(apply_rotary, x, cos, sin, head_dim, monkeypatch=monkeypatch)
+    assert torch.equal(got, ref)  # products and sums in torch's order: bit for bit
+
+
+def test_other_dtypes_and_devices_fall_back() -> None:
+    assert cpu_ops.silu_and_mul(torch.randn(2, 8, dtype=torch.float16)) is None
+    assert cpu_ops.rms_norm(torch.randn(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-6) is None
