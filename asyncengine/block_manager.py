@@ -95,9 +95,18 @@ class BlockManager:
 
     def register_computed(self, seq: Sequence) -> None:
         """Makes seq's newly full, computed blocks findable by later requests."""
+        self.register_full_blocks(seq, seq.num_computed_tokens)
+
+    def register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Makes the full blocks among seq's first num_tokens tokens findable by later requests.
+
+        The scheduler calls this for tokens it has just scheduled, before they are computed: a request
+        scheduled after them (in the same step or a later one) may share those blocks, because every
+        step writes a layer's K/V before that layer's attention reads any, and steps run in order on
+        every worker. So a burst of requests with a common prompt computes it once, not once each."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        num_full = min(num_tokens, seq.num_tokens) // self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else b""
         for i in range(len(seq.block_hashes), num_full):
             h = chain_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])

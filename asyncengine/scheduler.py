@@ -102,6 +102,8 @@ class Scheduler:
                 continue
             scheduled.append(self._scheduled(seq, num))
             budget -= num
+            # shareable as soon as scheduled, even by the waiting sequences below (see register_full_blocks)
+            bm.register_full_blocks(seq, seq.num_computed_tokens + seq.num_inflight_tokens + num)
 
         # 2. waiting sequences, first come first served, while nothing had to be preempted
         while (self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs
@@ -119,6 +121,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(self._scheduled(seq, num))
             budget -= num
+            bm.register_full_blocks(seq, seq.num_computed_tokens + num)
 
         for seq, num, samples in scheduled:
             seq.num_inflight_steps += 1

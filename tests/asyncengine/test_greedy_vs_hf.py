@@ -55,6 +55,23 @@ def test_prefix_caching_reuses_blocks_and_stays_exact(arch, tiny_model_factory, 
     assert llm.engine.scheduler.block_manager.prefix_hits >= 2 * 64  # 4 full shared blocks, twice
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_burst_with_a_common_prefix_computes_it_once(arch, pp, tiny_model_factory, llm_factory) -> None:
+    """Requests submitted together share the prefix blocks that the first of them is still computing
+    (in the same step, or in a step in flight before theirs) and still match HF token for token."""
+    model = tiny_model_factory(arch)
+    rng = random.Random(2)
+    shared = [rng.randrange(3, 512) for _ in range(100)]
+    prompts = [shared + [rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 1, 40, 7, 16)]
+    expected = hf_greedy(model, prompts, MAX_NEW)
+    llm = llm_factory(model, block_size=16, pipeline_parallel_size=pp, max_num_batched_tokens=256)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    # 6 full shared blocks: every request after the first (5 of them) found them
+    assert llm.engine.scheduler.block_manager.prefix_hits >= 5 * 96
+
+
 def test_logprobs_match_hf_log_softmax(tiny_model_factory, llm_factory) -> None:
     model = tiny_model_factory("llama")
     prompt = list(range(5, 30))

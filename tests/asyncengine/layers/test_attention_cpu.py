@@ -52,6 +52,7 @@ def build_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, blo
         ([1, 1, 1, 1], [0, 15, 16, 70]),  # decode, crossing block boundaries
         ([5, 1, 33], [20, 40, 0]),  # chunked prefill with context, a decode and a fresh prefill
         ([17, 9], [0, 0]),  # fresh prefills only
+        ([20, 1, 16], [30, 50, 1]),  # prompt chunks after cached context (the SDPA path) and a decode
     ],
 )
 def test_kernel_matches_reference_fp32(head_dim, heads, block_size, query_lens, context_lens) -> None:
