@@ -3,6 +3,7 @@
 
     python bench/pipeline.py                      # P=1, P=2 (default split: 7/5), P=2 (even 6/6 split)
     python bench/pipeline.py --repeat 3           # best of 3 per config, interleaved (noisy machines)
+    python bench/pipeline.py --prompt-len 384 512 --output-len 4 8   # prefill-heavy: compute-bound stages
 
 Model: the "medium" random Llama of bench/common.py (hidden 768, 12 layers, 12 heads, intermediate 2048,
 vocab 32000, untied LM head: 110M parameters in the matmuls), built once and reused. Workload: 64
