@@ -52,15 +52,8 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* silu(g) = g / (1 + exp(-g)) for 16 floats at p, written back in place. */
-static inline void silu16(float *p) {
-    const __m512 g = _mm512_loadu_ps(p);
-    _mm512_storeu_ps(p, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-}
-#define HAVE_SILU16 1
 #endif
 
-static inline float silu1(float g) { return g / (1.0f + expf(-g)); }
 
 #define DEFINE_OPS(SUF, T, LOAD, STORE, ROUND)                                                          \
 /* out = weight * T(x' * rsqrt(mean(x'^2) + eps)), x' = T(x + residual) (also stored in residual_out)   \
@@ -92,24 +85,6 @@ void rms_norm_##SUF(const T *x, long x_stride, const T *residual, const T *weigh
     }                                                                                                   \
 }                                                                                                       \
                                                                                                         \
-/* out[r] = T(silu(gate)) * up for x[r] = [gate | up], each `inter` wide. */                            \
-void silu_and_mul_##SUF(const T *x, T *out, int rows, int inter, int num_threads) {                     \
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * inter >= PAR_MIN)") \
-    for (int r = 0; r < rows; r++) {                                                                    \
-        const T *g = x + (long)r * 2 * inter, *u = g + inter;                                           \
-        T *o = out + (long)r * inter;                                                                   \
-        float buf[64];                                                                                  \
-        for (int d0 = 0; d0 < inter; d0 += 64) {                                                        \
-            const int n = inter - d0 < 64 ? inter - d0 : 64;                                            \
-            for (int d = 0; d < n; d++) buf[d] = LOAD(g[d0 + d]);                                       \
-            int d = 0;                                                                                  \
-            SILU_BLOCK                                                                                  \
-            for (; d < n; d++) buf[d] = silu1(buf[d]);                                                  \
-            for (d = 0; d < n; d++) o[d0 + d] = STORE(ROUND(buf[d]) * LOAD(u[d0 + d]));                 \
-        }                                                                                               \
-    }                                                                                                   \
-}                                                                                                       \
-                                                                                                        \
 /* Rotary embedding (rotate-half / NeoX layout) of `heads` heads per row: for the first 2 * half dims  \
  * of a head, [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]; the rest is copied. x rows are x_stride  \
  * elements apart; out is contiguous [rows, heads * head_dim]; cos, sin are [rows, half] in T. */       \
@@ -132,11 +107,57 @@ void rotary_##SUF(const T *x, long x_stride, const T *cos, const T *sin, T *out,
     }                                                                                                   \
 }
 
-#ifdef HAVE_SILU16
-#define SILU_BLOCK for (; d + 16 <= n; d += 16) silu16(buf + d);
-#else
-#define SILU_BLOCK
-#endif
-
 DEFINE_OPS(f32, float, load_f32, store_f32, round_f32)
 DEFINE_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+
+/* out[r] = T(silu(gate)) * up for x[r] = [gate | up], each `inter` wide. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+static inline __mmask16 mask_upto(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+static inline __m512 ld16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 ld16_bf16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+static inline __m512i bf16_bits(__m512 x) { /* round to nearest even, as f32_to_bf16 (NaN payloads aside) */
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+}
+static inline __m512 rnd16_f32(__m512 x) { return x; }
+static inline __m512 rnd16_bf16(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16)); }
+static inline void st16_f32(float *p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
+static inline void st16_bf16(uint16_t *p, __m512 x, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(x)));
+}
+
+#define DEFINE_SILU(SUF, T, LOAD, STORE, ROUND)                                                         \
+void silu_and_mul_##SUF(const T *x, T *out, int rows, int inter, int num_threads) {                     \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * inter >= 4 * PAR_MIN)") \
+    for (int r = 0; r < rows; r++) {                                                                    \
+        const T *g = x + (long)r * 2 * inter, *u = g + inter;                                           \
+        T *o = out + (long)r * inter;                                                                   \
+        for (int d = 0; d < inter; d += 16) {                                                           \
+            const __mmask16 mk = mask_upto(inter - d);                                                  \
+            const __m512 gv = ld16_##SUF(g + d, mk);                                                    \
+            const __m512 a = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),                     \
+                                                             exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))); \
+            st16_##SUF(o + d, _mm512_mul_ps(rnd16_##SUF(a), ld16_##SUF(u + d, mk)), mk);                \
+        }                                                                                               \
+    }                                                                                                   \
+}
+#else
+#define DEFINE_SILU(SUF, T, LOAD, STORE, ROUND)                                                         \
+void silu_and_mul_##SUF(const T *x, T *out, int rows, int inter, int num_threads) {                     \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * inter >= PAR_MIN)") \
+    for (int r = 0; r < rows; r++) {                                                                    \
+        const T *g = x + (long)r * 2 * inter, *u = g + inter;                                           \
+        T *o = out + (long)r * inter;                                                                   \
+        for (int d = 0; d < inter; d++) {                                                               \
+            const float gv = LOAD(g[d]);                                                                \
+            o[d] = STORE(ROUND(gv / (1.0f + expf(-gv))) * LOAD(u[d]));                                  \
+        }                                                                                               \
+    }                                                                                                   \
+}
+#endif
+
+DEFINE_SILU(f32, float, load_f32, store_f32, round_f32)
+DEFINE_SILU(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)

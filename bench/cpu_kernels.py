@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""CPU kernels side by side: each fast path against the PyTorch code it replaces, in one run.
+
+    python bench/cpu_kernels.py                  # 2 threads, float32 and bfloat16
+    python bench/cpu_kernels.py --threads 1
+
+Rows (shapes of a decode step of the "medium" bench model: hidden 768, 12 heads of 64, intermediate
+2048, vocab 32000, batch 64, contexts 50-500 tokens, block size 16):
+* paged attention, one layer: the C kernel (AVX-512 build where the CPU has it, and the portable
+  build) vs the PyTorch reference (gather + SDPA). Also GB/s of K/V read. Each timed call reads a
+  different layer's cache (12 of them), so the K/V come from memory as in a real step, not from L3.
+* linear layers: oneDNN-packed weights (layers/cpu_gemm.py) vs F.linear, per projection, at M = 64.
+* element-wise: the fused C ops (layers/cpu_ops.py) vs the torch code they replace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from common import OUT, load_line, machine_info, table, write_json
+from tqdm import tqdm
+
+import asyncengine  # noqa: F401  (the installed package first)
+from asyncengine.layers import cpu_gemm, cpu_ops
+from asyncengine.layers.activation import ActAndMul
+from asyncengine.layers.attention import AttentionMetadata
+from asyncengine.layers.attention_cpu import CpuAttentionBackend, load_kernel_library
+from asyncengine.layers.attention_torch import TorchAttentionBackend
+from asyncengine.layers.norm import RMSNorm
+from asyncengine.layers.rotary import apply_rotary
+
+
+def timeit(fn: Callable[[int], Any], repeat: int) -> float:
+    """Median seconds of fn(i) over `repeat` calls (i = call index), after two warm-up calls."""
+    fn(0), fn(1)
+    times = []
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def torch_path(fn: Callable[[], Any]) -> Any:
+    os.environ["ASYNCENGINE_CPU_OPS"] = "0"
+    try:
+        return fn()
+    finally:
+        os.environ.pop("ASYNCENGINE_CPU_OPS")
+
+
+def attention_rows(dtype: torch.dtype, layers: int, repeat: int) -> list[list[Any]]:
+    rng = random.Random(0)
+    batch, heads, head_dim, bs = 64, 12, 64, 16
+    lens = [rng.randint(50, 500) for _ in range(batch)]
+    nblk = sum(-(-n // bs) for n in lens)
+    perm = torch.randperm(nblk).tolist()  # scattered blocks, as after a while of serving
+    tables = torch.zeros(batch, max(-(-n // bs) for n in lens), dtype=torch.int32)
+    i = 0
+    for s, n in enumerate(lens):
+        k = -(-n // bs)
+        tables[s, :k] = torch.tensor(perm[i : i + k])
+        i += k
+    caches = [(torch.randn(nblk, bs, heads, head_dim, dtype=dtype), torch.randn(nblk, bs, heads, head_dim, dtype=dtype))
+              for _ in range(layers)]
+    q = torch.randn(batch, heads, head_dim, dtype=dtype)
+    k = torch.zeros(batch, heads, head_dim, dtype=dtype)
+    meta = AttentionMetadata(torch.zeros(batch, dtype=torch.long), torch.arange(batch + 1, dtype=torch.int32),
+                             torch.tensor(lens, dtype=torch.int32), tables, [1] * batch, lens, 1, max(lens))
+    nbytes = sum(lens) * heads * head_dim * 2 * q.element_size()
+    backends = {"C kernel (native)": CpuAttentionBackend(load_kernel_library()),
+                "C kernel (portable)": CpuAttentionBackend(load_kernel_library(portable=True)),
+                "torch reference": TorchAttentionBackend()}
+    times = {name: timeit(lambda i, b=b: b.forward(q, k, k, *caches[i % layers], meta, 0.125), repeat)
+             for name, b in backends.items()}
+    ref = times["torch reference"]
+    return [[f"attention {str(dtype)[6:]}", name, t * 1e3, nbytes / t / 1e9, ref / t] for name, t in times.items()]
+
+
+def linear_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
+    rows = []
+    for name, k, n in (("qkv 768->2304", 768, 2304), ("gate_up 768->4096", 768, 4096), ("down 2048->768", 2048, 768),
+                       ("lm_head 768->32000", 768, 32000)):
+        w = torch.randn(n, k, dtype=dtype) * 0.02
+        packed = cpu_gemm.prepack(w)
+        x = torch.randn(64, k, dtype=dtype)
+        plain = timeit(lambda i, x=x, w=w: F.linear(x, w), repeat)
+        fast = (timeit(lambda i, x=x, packed=packed: cpu_gemm.linear(x, packed, None), repeat)
+                if packed is not None else float("nan"))
+        rows.append([f"linear {str(dtype)[6:]}", f"{name}, M=64", fast * 1e3, 2 * 64 * k * n / fast / 1e9, plain / fast])
+    return rows
+
+
+def elementwise_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
+    norm, act = RMSNorm(768).to(dtype), ActAndMul("silu")
+    x, r = torch.randn(64, 768, dtype=dtype), torch.randn(64, 768, dtype=dtype)
+    gu = torch.randn(64, 4096, dtype=dtype)
+    cos, sin = torch.randn(64, 32, dtype=dtype), torch.randn(64, 32, dtype=dtype)
+    ops = {"rms_norm + residual [64, 768]": lambda: norm.fused_add(x, r),
+           "silu_and_mul [64, 2x2048]": lambda: act(gu),
+           "rotary [64, 12x64]": lambda: apply_rotary(x, cos, sin, 64)}
+    rows = []
+    for name, fn in ops.items():
+        fast = timeit(lambda i, fn=fn: fn(), repeat)
+        plain = timeit(lambda i, fn=fn: torch_path(fn), repeat)
+        rows.append([f"element-wise {str(dtype)[6:]}", name, fast * 1e3, None, plain / fast])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--layers", type=int, default=12, help="distinct KV caches the attention rows cycle through")
+    p.add_argument("--out", type=Path, default=OUT / "cpu_kernels.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if cpu_ops.load_ops_library() is None or load_kernel_library() is None:
+        print("no C compiler: nothing to compare", file=sys.stderr)
+        return 1
+    info = machine_info()
+    rows: list[list[Any]] = []
+    jobs = [(d, kind) for d in (torch.float32, torch.bfloat16) for kind in ("attention", "linear", "element-wise")]
+    for dtype, kind in tqdm(jobs, desc="cpu kernels", unit="group"):
+        with torch.inference_mode():
+            if kind == "attention":
+                rows += attention_rows(dtype, args.layers, args.repeat)
+            elif kind == "linear":
+                rows += linear_rows(dtype, args.repeat)
+            else:
+                rows += elementwise_rows(dtype, args.repeat)
+    print(f"\n{args.threads} threads; {load_line(info)}")
+    print(table(["group", "variant", "ms", "GB/s or GFLOP/s", "speed vs torch"], rows))
+    write_json(args.out, {"machine": info, "threads": args.threads,
+                          "rows": [dict(zip(["group", "variant", "ms", "rate", "speedup"], r)) for r in rows]})
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
