@@ -47,7 +47,29 @@ def watch_parent(fd: int) -> None:
     threading.Thread(target=wait, name="parent-watch", daemon=True).start()
 
 
+def preimport() -> threading.Thread:
+    """Imports the worker's heavy modules in the background while the engine still reads its tokenizer
+    (InitWorker comes after that): torch, the model code and transformers' config machinery, ~2.5 s
+    of a cold start that would otherwise begin only once InitWorker arrives. The main thread joins
+    this thread before its own imports, so no module is ever imported by two threads at once."""
+
+    def run() -> None:
+        try:
+            import transformers.configuration_utils  # noqa: F401
+            import transformers.modeling_rope_utils  # noqa: F401
+
+            import asyncengine.models.registry  # noqa: F401
+            import asyncengine.worker.worker  # noqa: F401
+        except Exception:  # the real import reports any problem, with its traceback
+            pass
+
+    thread = threading.Thread(target=run, name="preimport", daemon=True)
+    thread.start()
+    return thread
+
+
 def serve(rank: int, endpoints: Endpoints, local_rank: int | None = None) -> int:
+    imports = preimport()
     ctx = zmq.Context()
     rx = BroadcastReceiver(ctx, endpoints)
     tx = ResultSender(ctx, endpoints)
@@ -73,7 +95,8 @@ def serve(rank: int, endpoints: Endpoints, local_rank: int | None = None) -> int
                 if out is not None:
                     tx.send(out)
             elif isinstance(msg, InitWorker):
-                from asyncengine.worker.worker import Worker  # heavy imports only once asked to load
+                imports.join()
+                from asyncengine.worker.worker import Worker
 
                 worker = Worker(rank, msg, local_rank)
                 tx.send(WorkerReady(rank, worker.num_kv_blocks_that_fit(), os.getpid(), worker.vocab_size))

@@ -7,6 +7,8 @@ computes logits and samples.
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import NamedTuple
 
 import numpy as np
@@ -21,6 +23,20 @@ from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
 from asyncengine.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from asyncengine.models.loader import load_model
 from asyncengine.worker.input_batch import SeqState, StepBatch
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor; on CPU over an anonymous mmap, whose pages the OS zero-fills on first touch.
+
+    torch.zeros writes every byte up front: ~1 s for the default 4 GiB CPU KV cache, most of a tiny
+    model's start-up. Reads of never-written slots still see zeros (masked-out keys must be finite)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    if not count:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size())
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)  # the tensor keeps the mmap alive
 
 
 class ModelInput(NamedTuple):
@@ -61,8 +77,8 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attention_layers:
             shape = (num_blocks + 1, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.k_cache = zeros(shape, self.dtype, self.device)
+            layer.v_cache = zeros(shape, self.dtype, self.device)
             self.kv_caches.append((layer.k_cache, layer.v_cache))
         # Decode steps of the first stage go through the GraphRunner on a GPU (CUDA graphs; eager on
         # padded static buffers with enforce_eager). Later stages receive their input from the
