@@ -62,7 +62,7 @@ def num_steps(llm: LLM) -> int:
 
 def run(model: Path, pp: int, partition: tuple[int, ...] | None, prompts: list[list[int]],
         params: list[SamplingParams], args: argparse.Namespace) -> dict[str, Any]:
-    llm = LLM(model=str(model), dtype="float32", pipeline_parallel_size=pp, pp_layer_partition=partition,
+    llm = LLM(model=str(model), dtype=args.dtype, pipeline_parallel_size=pp, pp_layer_partition=partition,
               num_threads=1, num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=False)
     try:
@@ -92,6 +92,7 @@ def name_of(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 128))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 64))
     parser.add_argument("--seed", type=int, default=0)
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{same}/{len(prompts)}"])
 
     print(f"\n{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs "
-          f"{args.output_len[0]}-{args.output_len[1]}; random Llama {MODEL} (768 x 12 layers); one thread per "
+          f"{args.output_len[0]}-{args.output_len[1]}; random Llama {MODEL} (768 x 12 layers), {args.dtype}; one thread per "
           f"worker; best of {args.repeat}; {load_line(info)}")
     print(table(["config", "seconds", "out tok/s", "total tok/s", "vs P=1", "ceiling", "steps", "worker busy",
                  "engine busy", "same tokens"], rows))
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; with the {name_of(results[2])} split: {results[2]['ratio']:.2f}x" if len(results) > 2 else ""))
 
     write_json(args.out, {"machine": info, "model": MODEL_SPECS[MODEL], "num_requests": args.num_requests,
-                          "prompt_len": args.prompt_len, "output_len": args.output_len, "seed": args.seed,
+                          "dtype": args.dtype, "prompt_len": args.prompt_len, "output_len": args.output_len, "seed": args.seed,
                           "repeat": args.repeat, "ratio_p2_p1": results[1]["ratio"],
                           "results": [{k: v for k, v in r.items() if k != "tokens"} for r in results]})
     print(f"wrote {args.out}")
