@@ -46,7 +46,8 @@ def build_library(source: Path, portable: bool = False) -> ctypes.CDLL | None:
         logger.warning("no C compiler found: %s falls back to PyTorch", source.name)
         return None
     flags = [*CFLAGS, *PORTABLE_FLAGS] if portable else CFLAGS
-    code = source.read_bytes()
+    # the headers it may include (csrc/*.h) are part of what gets built, so part of the key too
+    code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(code + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if not target.exists():

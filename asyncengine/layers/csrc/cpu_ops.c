@@ -7,53 +7,14 @@
  * computes what the torch code computes up to float32 summation order. Rows are split across OpenMP
  * threads when there is enough work. Built by asyncengine/layers/csrc_build.py.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "cpu_common.h"
 
 #define PAR_MIN 32768 /* elements below which waking threads costs more than it saves */
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fff + ((u >> 16) & 1); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 static inline float load_f32(float x) { return x; }
 static inline float store_f32(float x) { return x; }
 static inline float round_f32(float x) { return x; }
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-/* exp(x), 16 lanes, Cephes' expf polynomial; ~0 below -87, inf above 88 (scalef overflows). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(127.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-#endif
-
 
 #define DEFINE_OPS(SUF, T, LOAD, STORE, ROUND)                                                          \
 /* out = weight * T(x' * rsqrt(mean(x'^2) + eps)), x' = T(x + residual) (also stored in residual_out)   \
@@ -111,12 +72,9 @@ DEFINE_OPS(f32, float, load_f32, store_f32, round_f32)
 DEFINE_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 
 /* out[r] = T(silu(gate)) * up for x[r] = [gate | up], each `inter` wide. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-static inline __mmask16 mask_upto(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+#ifdef HAVE_AVX512
 static inline __m512 ld16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline __m512 ld16_bf16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+static inline __m512 ld16_bf16(const uint16_t *p, __mmask16 m) { return load16_bf16(p, m); }
 static inline __m512i bf16_bits(__m512 x) { /* round to nearest even, as f32_to_bf16 (NaN payloads aside) */
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));

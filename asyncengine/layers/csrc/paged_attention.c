@@ -12,34 +12,18 @@
  * Built at run time by asyncengine/layers/attention_cpu.py with gcc -O3 -march=native -fopenmp.
  *
  * Two implementations behind the same symbols, chosen at compile time: an AVX-512 one (x86 with
- * AVX512F/BW/VL) and a portable one that the compiler vectorises as it can. The AVX-512 one converts
- * each cache block of K and V to float32 once (bf16: a shift) into a per-thread scratch, reduces each
- * q.k dot with one horizontal add, and takes the softmax exponentials 16 at a time with a polynomial
- * exp (Cephes' expf, ~1 ulp) instead of one libm expf call per key: 3-4x the portable one's speed.
+ * AVX512F/BW/VL) and a portable one that the compiler vectorises as it can. The AVX-512 one widens
+ * bf16 K/V in registers, reduces each q.k dot with one horizontal add, prefetches the next cache block
+ * and takes the softmax exponentials 16 at a time with a polynomial exp (Cephes' expf, ~1 ulp)
+ * instead of one libm expf call per key: 2-2.5x the portable one's speed.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "cpu_common.h"
 
 #define MAX_HEAD_DIM 512
 #define MAX_BLOCK 256
 #define MAX_GROUP 64
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fff + ((u >> 16) & 1); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                              \
 int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,             \
@@ -118,33 +102,10 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *
 }
 
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
+#ifdef HAVE_AVX512
 
-static inline __mmask16 mask_upto(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
-
-/* exp(x) for x <= 0 (scores minus their running maximum), 16 lanes: Cephes' expf polynomial. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* below: a float's smallest normal; ~0 anyway */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* x - n ln2, in two parts */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n); /* p * 2^n */
-}
-
-/* 16 cache elements as float32 (zero past head_dim): bf16 is widened in registers by a 16-bit shift. */
+/* 16 cache elements as float32 (zero past head_dim); load16_bf16 (cpu_common.h) widens bf16. */
 static inline __m512 load16_f32(const float *p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
-static inline __m512 load16_bf16(const uint16_t *p, __mmask16 mk) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p)), 16));
-}
 
 static inline float load_f32(float x) { return x; }
 static inline void store_f32(float *p, float x) { *p = x; }
