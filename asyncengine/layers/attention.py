@@ -17,6 +17,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from asyncengine.layers import cpu_ops
+
 
 @dataclass
 class AttentionMetadata:
@@ -103,6 +105,8 @@ def write_kv_cache(
     device sync, which CUDA-graph capture forbids. Padding rows point at the scratch block the model
     runner allocates past the last real block.
     """
+    if k.device.type == "cpu" and cpu_ops.write_kv(k, v, k_cache, v_cache, slot_mapping):
+        return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)

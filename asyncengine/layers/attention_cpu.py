@@ -15,6 +15,7 @@ import ctypes
 import logging
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -44,12 +45,41 @@ def load_kernel_library(portable: bool = False) -> ctypes.CDLL | None:
     return lib
 
 
+class _StepArgs(NamedTuple):
+    tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    query_start: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    dense: list[bool]  # per sequence: attended by SDPA (a prompt chunk), not by the kernel
+    skip: torch.Tensor | None  # dense as the kernel's uint8 mask; None when no sequence is dense
+
+
 class CpuAttentionBackend:
     """Paged attention for CPU workers: the C kernel over the cache, SDPA for fresh prefills."""
 
     def __init__(self, lib: ctypes.CDLL | None = None) -> None:
         self.lib = lib or load_kernel_library()
         self.reference = TorchAttentionBackend()
+        self._step: tuple[AttentionMetadata, _StepArgs] | None = None  # every layer of a step shares these
+
+    def _step_args(self, meta: AttentionMetadata) -> _StepArgs:
+        """The kernel's int32 views of the step's metadata and its SDPA routing, built once per step."""
+        if self._step is not None and self._step[0] is meta:
+            return self._step[1]
+        n = meta.num_seqs
+        # Prompt chunks go to torch's SDPA (blocked GEMMs, flash kernel): a fresh prompt attends over its
+        # own keys, a chunk after cached context (prefix hit, chunked prefill) over its gathered blocks.
+        # The kernel takes decode rows and short chunks: it walks the cache once per query row, which
+        # measured 3-4x slower than a gather + SDPA for a 200-row chunk but 2x faster for 4 rows.
+        dense = [ql > 1 and (ql == sl or ql >= SDPA_MIN_ROWS) for ql, sl in zip(meta.query_lens_cpu, meta.seq_lens_cpu)]
+        args = _StepArgs(
+            tables=meta.block_tables[:n].to(torch.int32).contiguous(),
+            query_start=meta.query_start_loc[: n + 1].to(torch.int32).contiguous(),
+            seq_lens=meta.seq_lens[:n].to(torch.int32).contiguous(),
+            dense=dense,
+            skip=torch.tensor(dense, dtype=torch.uint8) if any(dense) else None,
+        )
+        self._step = (meta, args)
+        return args
 
     def forward(
         self,
@@ -67,14 +97,10 @@ class CpuAttentionBackend:
             return self.reference.forward(q, k, v, k_cache, v_cache, meta, scale)
         q = q.contiguous()
         out = torch.empty_like(q)
-        # Prompt chunks go to torch's SDPA (blocked GEMMs, flash kernel): a fresh prompt attends over its
-        # own keys, a chunk after cached context (prefix hit, chunked prefill) over its gathered blocks.
-        # The kernel takes decode rows and short chunks: it walks the cache once per query row, which
-        # measured 3-4x slower than a gather + SDPA for a 200-row chunk but 2x faster for 4 rows.
-        dense = [ql > 1 and (ql == sl or ql >= SDPA_MIN_ROWS) for ql, sl in zip(meta.query_lens_cpu, meta.seq_lens_cpu)]
-        skip = torch.tensor(dense, dtype=torch.uint8) if any(dense) else None
+        step = self._step_args(meta)
+        dense, skip = step.dense, step.skip
         if skip is None or not all(dense):
-            self._run_kernel(kernel, q, k_cache, v_cache, out, meta, scale, skip)
+            self._run_kernel(kernel, q, k_cache, v_cache, out, step, scale)
         if skip is not None:
             start = 0
             for i, (q_len, seq_len, is_dense) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, dense)):
@@ -90,11 +116,9 @@ class CpuAttentionBackend:
         return out
 
     def _run_kernel(self, kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    out: torch.Tensor, meta: AttentionMetadata, scale: float, skip: torch.Tensor | None) -> None:
-        num_seqs = meta.num_seqs
-        tables = meta.block_tables[:num_seqs].to(torch.int32).contiguous()
-        query_start = meta.query_start_loc[: num_seqs + 1].to(torch.int32).contiguous()
-        seq_lens = meta.seq_lens[:num_seqs].to(torch.int32).contiguous()
+                    out: torch.Tensor, step: _StepArgs, scale: float) -> None:
+        tables, query_start, seq_lens, skip = step.tables, step.query_start, step.seq_lens, step.skip
+        num_seqs = seq_lens.shape[0]
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
         rc = getattr(self.lib, kernel)(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),

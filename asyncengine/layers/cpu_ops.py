@@ -1,4 +1,5 @@
-"""Fused CPU element-wise ops (csrc/cpu_ops.c): RMSNorm (+ residual add), SiLU-and-mul, rotary.
+"""Fused CPU element-wise ops (csrc/cpu_ops.c): RMSNorm (+ residual add), SiLU-and-mul, rotary, and
+the paged KV-cache write.
 
 Each returns None when it does not apply (not a CPU tensor, a dtype other than float32 / bfloat16,
 no compiler, or ASYNCENGINE_CPU_OPS=0) and the caller runs its PyTorch code instead; the results
@@ -37,6 +38,8 @@ def load_ops_library(portable: bool = False) -> ctypes.CDLL | None:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype = None
             fn.argtypes = argtypes
+    lib.write_kv.restype = _L
+    lib.write_kv.argtypes = [_P, _L, _P, _L, _P, _P, _P, _L, _I, _I]
     return lib
 
 
@@ -101,3 +104,23 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int)
         x2.data_ptr(), x2.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows, width // head_dim,
         head_dim, cos.shape[-1], torch.get_num_threads())
     return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """k, v [T, kv_heads, head_dim] -> their slots of [num_blocks, block_size, kv_heads, head_dim] caches.
+    False (nothing written) where it does not apply; IndexError for a slot outside the cache."""
+    lib = _lib_for(k, v, k_cache, v_cache)
+    if lib is None or slot_mapping.dtype != torch.int64 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    heads, head_dim = k.shape[1], k.shape[2]
+    if any(x.stride(2) != 1 or x.stride(1) != head_dim for x in (k, v)) or k_cache.shape[-2:] != (heads, head_dim):
+        return False
+    slots = slot_mapping.contiguous()
+    elem = k.element_size()
+    bad = lib.write_kv(k.data_ptr(), k.stride(0) * elem, v.data_ptr(), v.stride(0) * elem, k_cache.data_ptr(),
+                       v_cache.data_ptr(), slots.data_ptr(), k_cache.numel() // (heads * head_dim), k.shape[0],
+                       heads * head_dim * elem)
+    if bad:
+        raise IndexError(f"{bad} KV-cache slot(s) outside the cache of {k_cache.shape[0]} blocks")
+    return True

@@ -119,3 +119,20 @@ void silu_and_mul_##SUF(const T *x, T *out, int rows, int inter, int num_threads
 
 DEFINE_SILU(f32, float, load_f32, store_f32, round_f32)
 DEFINE_SILU(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+
+/* The paged KV-cache write of a step: row r of k (and of v) -> cache slot slots[r]. Rows are
+ * row_bytes long (kv_heads * head_dim elements) and k_stride / v_stride bytes apart: k and v are
+ * column slices of the fused qkv projection. A slot outside [0, num_slots) is skipped and counted, so
+ * the caller can raise instead of writing out of bounds. torch's index_copy_ took ~57 us per call
+ * here, 24 calls per decode step of a 12-layer model. */
+long write_kv(const char *k, long k_stride, const char *v, long v_stride, char *k_cache, char *v_cache,
+              const int64_t *slots, long num_slots, int rows, int row_bytes) {
+    long bad = 0;
+    for (int r = 0; r < rows; r++) {
+        const int64_t s = slots[r];
+        if (s < 0 || s >= num_slots) { bad++; continue; }
+        memcpy(k_cache + s * row_bytes, k + (long)r * k_stride, (size_t)row_bytes);
+        memcpy(v_cache + s * row_bytes, v + (long)r * v_stride, (size_t)row_bytes);
+    }
+    return bad;
+}

@@ -73,3 +73,22 @@ def test_rotary(build, monkeypatch, dtype, head_dim, half) -> None:
 def test_other_dtypes_and_devices_fall_back() -> None:
     assert cpu_ops.silu_and_mul(torch.randn(2, 8, dtype=torch.float16)) is None
     assert cpu_ops.rms_norm(torch.randn(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-6) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_copy(dtype) -> None:
+    """k / v as column slices of a fused qkv output (row stride > row width), as the models pass them."""
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, head_dim, blocks, bs = 9, 4, 2, 16, 6, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    _, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(blocks * bs)[:tokens]
+    got_k, got_v = torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype), torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype)
+    assert cpu_ops.write_kv(k, v, got_k, got_v, slots)
+    ref_k, ref_v = torch.zeros_like(got_k), torch.zeros_like(got_v)
+    ref_k.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    ref_v.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+    with pytest.raises(IndexError):
+        cpu_ops.write_kv(k, v, got_k, got_v, torch.full((tokens,), blocks * bs))

@@ -1,0 +1,31 @@
+"""Sampler unit tests: greedy picks argmax's answer (first maximal index), mixed batches, seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncengine.layers.sampler import Sampler, SamplingRow
+from asyncengine.transport.wire import SamplingOptions
+
+
+def _row(temperature: float = 0.0, seed: int | None = None) -> SamplingRow:
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    return SamplingRow(SamplingOptions(temperature=temperature), gen, [1, 2, 3], {}, 0)
+
+
+def test_greedy_equals_torch_argmax_including_ties() -> None:
+    logits = torch.randn(64, 32000)
+    logits[3, 10] = logits[3, 20000] = 100.0  # a tie: the first index wins, as with argmax
+    out = Sampler(0, torch.device("cpu"))(logits, [_row() for _ in range(64)])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.token_ids[3] == 10
+
+
+def test_greedy_rows_unchanged_by_sampled_neighbours() -> None:
+    logits = torch.randn(4, 1000)
+    rows = [_row(), _row(1.0, seed=7), _row(), _row(0.8, seed=8)]
+    out = Sampler(0, torch.device("cpu"))(logits, rows)
+    expect = logits.argmax(dim=-1).tolist()
+    assert out.token_ids[0] == expect[0] and out.token_ids[2] == expect[2]
+    again = Sampler(123, torch.device("cpu"))(logits, [_row(), _row(1.0, seed=7), _row(), _row(0.8, seed=8)])
+    assert again.token_ids == out.token_ids  # seeded rows draw from their own generators
