@@ -40,38 +40,45 @@ def build_model(path: Path) -> Path:
     return path
 
 
-def decode_throughput(model_dir: Path, batch: int, eager: bool, steps: int) -> float:
+def decode_throughput(model_dir: Path, batch: int, eager: bool, steps: int, device: str = "cuda") -> float:
+    """Decode tokens/s of a ModelRunner driven directly (no engine): a 128-token prefill, then `steps`
+    greedy decode steps. device="cpu" runs the same code with the CPU backend (the tests do, so this
+    script cannot rot on machines without a GPU)."""
     from asyncengine.config import EngineConfig
     from asyncengine.layers.attention import set_attention_backend
+    from asyncengine.layers.attention_cpu import CpuAttentionBackend
     from asyncengine.layers.attention_triton import TritonAttentionBackend
     from asyncengine.layers.parallel import ParallelContext
     from asyncengine.transport.wire import SamplingOptions
     from asyncengine.worker.input_batch import SeqState, StepBatch
     from asyncengine.worker.model_runner import ModelRunner
 
-    set_attention_backend(TritonAttentionBackend())
+    dev = torch.device(device)
+    set_attention_backend(TritonAttentionBackend() if dev.type == "cuda" else CpuAttentionBackend())
     cfg = EngineConfig(model=str(model_dir), dtype="bfloat16", max_num_seqs=64, enforce_eager=eager)
-    runner = ModelRunner(cfg, ParallelContext(), torch.device("cuda"), torch.bfloat16, 1024)
+    runner = ModelRunner(cfg, ParallelContext(), dev, torch.bfloat16, 1024)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     blocks_per_seq = 1024 // cfg.block_size
     runner.init_cache(batch * blocks_per_seq)
     runner.capture_graphs()
     rng = random.Random(0)
     seqs = []
     for i in range(batch):
-        prompt = [rng.randrange(32000) for _ in range(128)]
+        prompt = [rng.randrange(runner.model.config.vocab_size) for _ in range(128)]
         seqs.append(SeqState(i, prompt, len(prompt), list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 0,
                              SamplingOptions(temperature=0.0)))
-    runner.execute_model(runner.prepare_model_input(StepBatch(0, seqs, [128] * batch)), None)
-    for s in seqs:
+    first = runner.execute_model(runner.prepare_model_input(StepBatch(0, seqs, [128] * batch)), None)
+    for s, t in zip(seqs, first.token_ids):  # the prefill's sampled token is the first decode input
         s.num_computed_tokens = 128
-    torch.cuda.synchronize()
+        s.token_ids.append(t)
+    sync()
     start = time.perf_counter()
     for step in range(steps):
         out = runner.execute_model(runner.prepare_model_input(StepBatch(step + 1, seqs, [1] * batch)), None)
         for s, t in zip(seqs, out.token_ids):
             s.num_computed_tokens += 1
             s.token_ids.append(t)
-    torch.cuda.synchronize()
+    sync()
     elapsed = time.perf_counter() - start
     runner.close()
     return batch * steps / elapsed
