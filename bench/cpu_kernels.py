@@ -10,7 +10,9 @@ Rows (shapes of a decode step of the "medium" bench model: hidden 768, 12 heads 
   build) vs the PyTorch reference (gather + SDPA). Also GB/s of K/V read. Each timed call reads a
   different layer's cache (12 of them), so the K/V come from memory as in a real step, not from L3.
 * linear layers: oneDNN-packed weights (layers/cpu_gemm.py) vs F.linear, per projection, at M = 64.
-* element-wise: the fused C ops (layers/cpu_ops.py) vs the torch code they replace.
+* element-wise: the fused C ops (layers/cpu_ops.py) vs the torch code they replace; the KV-cache write
+  (cpu_ops.write_kv vs index_copy_) and the sampler's greedy pick (max(dim) vs argmax).
+* memory: torch.sum over 1 GiB, the streaming-read rate the attention rows' GB/s compare to.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from asyncengine.layers.attention_cpu import CpuAttentionBackend, load_kernel_li
 from asyncengine.layers.attention_torch import TorchAttentionBackend
 from asyncengine.layers.norm import RMSNorm
 from asyncengine.layers.rotary import apply_rotary
+from asyncengine.layers.sampler import argmax_rows
 
 
 def timeit(fn: Callable[[int], Any], repeat: int) -> float:
@@ -113,7 +116,27 @@ def elementwise_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
         fast = timeit(lambda i, fn=fn: fn(), repeat)
         plain = timeit(lambda i, fn=fn: torch_path(fn), repeat)
         rows.append([f"element-wise {str(dtype)[6:]}", name, fast * 1e3, None, plain / fast])
+    # the step's KV-cache write (k, v: column slices of the fused qkv output) and the greedy pick
+    qkv = torch.randn(64, 3 * 768, dtype=dtype)
+    k, v = qkv[:, 768:1536].view(64, 12, 64), qkv[:, 1536:].view(64, 12, 64)
+    kc, vc = torch.zeros(4096, 16, 12, 64, dtype=dtype), torch.zeros(4096, 16, 12, 64, dtype=dtype)
+    slots = torch.randperm(4096 * 16)[:64]
+    fast = timeit(lambda i: cpu_ops.write_kv(k, v, kc, vc, slots), repeat)
+    plain = timeit(lambda i: (kc.view(-1, 12, 64).index_copy_(0, slots, k), vc.view(-1, 12, 64).index_copy_(0, slots, v)),
+                   repeat)
+    rows.append([f"element-wise {str(dtype)[6:]}", "KV write [64, 12x64] vs index_copy_", fast * 1e3, None, plain / fast])
+    logits = torch.randn(64, 32000)
+    fast = timeit(lambda i: argmax_rows(logits), repeat)
+    plain = timeit(lambda i: logits.argmax(dim=-1), repeat)
+    rows.append([f"element-wise {str(dtype)[6:]}", "greedy pick [64, 32000] vs argmax", fast * 1e3, None, plain / fast])
     return rows
+
+
+def memory_rows(repeat: int) -> list[list[Any]]:
+    """What the attention kernel's GB/s compares to: torch.sum streaming 1 GiB (no cache reuse)."""
+    x = torch.ones(2**28, dtype=torch.float32)
+    t = timeit(lambda i: x.sum(), max(3, repeat // 6))
+    return [["memory", "DRAM read: torch.sum over 1 GiB", t * 1e3, x.numel() * 4 / t / 1e9, None]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,12 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     rows: list[list[Any]] = []
     jobs = [(d, kind) for d in (torch.float32, torch.bfloat16) for kind in ("attention", "linear", "element-wise")]
+    jobs.append((torch.float32, "memory"))
     for dtype, kind in tqdm(jobs, desc="cpu kernels", unit="group"):
         with torch.inference_mode():
             if kind == "attention":
                 rows += attention_rows(dtype, args.layers, args.repeat)
             elif kind == "linear":
                 rows += linear_rows(dtype, args.repeat)
+            elif kind == "memory":
+                rows += memory_rows(args.repeat)
             else:
                 rows += elementwise_rows(dtype, args.repeat)
     print(f"\n{args.threads} threads; {load_line(info)}")

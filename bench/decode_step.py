@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Where a CPU decode step's time goes, against the bytes it must move: one run, both dtypes.
+
+    python bench/decode_step.py                       # medium model, batch 64, context 256, 2 threads
+    python bench/decode_step.py --batch 32 --context 512
+
+Drives a ModelRunner directly (no engine, no sockets) on the bench's "medium" Llama (~100M, hidden
+768, 12 layers): a prefill of `batch` random prompts of `context` tokens, then timed greedy decode
+steps. Per dtype it prints
+* ms per step and tokens/s;
+* the bytes a step has to read: every weight once (the LM head included; the embedding table only
+  row by row, left out) plus each sequence's K/V in every layer;
+* the floor those bytes set at the streaming-read rate measured in the same run (torch.sum over 1 GiB)
+  and the step's share of it ("bandwidth efficiency");
+* a split of the step from torch.profiler: oneDNN linear layers, other torch ops, and the rest
+  (the C attention kernel and the fused C ops, which the profiler does not see, plus Python).
+Writes bench/out/decode_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import OUT, build_model, load_line, machine_info, table, write_json
+from tqdm import tqdm
+
+import asyncengine  # noqa: F401  (the installed package first)
+from asyncengine.config import EngineConfig
+from asyncengine.layers.attention import set_attention_backend
+from asyncengine.layers.attention_cpu import CpuAttentionBackend
+from asyncengine.layers.parallel import ParallelContext
+from asyncengine.transport.wire import SamplingOptions
+from asyncengine.worker.input_batch import SeqState, StepBatch
+from asyncengine.worker.model_runner import ModelRunner
+
+
+def read_rate() -> float:
+    """Bytes/s of a streaming read that no cache can hold (1 GiB)."""
+    x = torch.ones(2**28, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / sorted(times)[2]
+
+
+def measure(model: Path, dtype: str, batch: int, context: int, steps: int) -> dict[str, Any]:
+    torch_dtype = getattr(torch, dtype)
+    set_attention_backend(CpuAttentionBackend())
+    cfg = EngineConfig(model=str(model), dtype=dtype, max_num_seqs=max(batch, 1))
+    max_len = context + steps + 16
+    runner = ModelRunner(cfg, ParallelContext(), torch.device("cpu"), torch_dtype, max_len)
+    per_seq = -(-max_len // cfg.block_size)
+    runner.init_cache(batch * per_seq)
+    blocks = list(range(batch * per_seq))
+    random.Random(0).shuffle(blocks)  # scattered blocks, as after a while of serving
+    rng = random.Random(1)
+    vocab = runner.model.config.vocab_size
+    seqs = [SeqState(i, [rng.randrange(vocab) for _ in range(context)], context, blocks[i * per_seq:(i + 1) * per_seq],
+                     0, SamplingOptions(temperature=0.0)) for i in range(batch)]
+    chunk = max(1, 2048 // context)
+    for i in range(0, batch, chunk):
+        group = seqs[i:i + chunk]
+        out = runner.execute_model(runner.prepare_model_input(StepBatch(0, group, [context] * len(group))), None)
+        for s, t in zip(group, out.token_ids):
+            s.num_computed_tokens = context
+            s.token_ids.append(t)
+
+    def step(k: int) -> None:
+        out = runner.execute_model(runner.prepare_model_input(StepBatch(k, seqs, [1] * batch)), None)
+        for s, t in zip(seqs, out.token_ids):
+            s.num_computed_tokens += 1
+            s.token_ids.append(t)
+
+    for k in range(2):
+        step(k)
+    t0 = time.perf_counter()
+    for k in range(steps):
+        step(k)
+    seconds = (time.perf_counter() - t0) / steps
+    prof_steps = 3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t1 = time.perf_counter()
+        for k in range(prof_steps):
+            step(k)
+        prof_seconds = (time.perf_counter() - t1) / prof_steps
+    linear = other = 0.0
+    for ev in prof.key_averages():
+        us = ev.self_cpu_time_total / prof_steps
+        if "linear" in ev.key:
+            linear += us
+        else:
+            other += us
+    elem = torch.empty((), dtype=torch_dtype).element_size()
+    weights = sum(p.numel() for n, p in runner.model.named_parameters() if "embed_tokens" not in n) * elem
+    packed = sum(m.packed.numel() * elem for m in runner.model.modules()
+                 if isinstance(getattr(m, "packed", None), torch.Tensor))
+    ctx = context + 2 + steps / 2  # mean context over the timed steps
+    kv = runner.kv_bytes_per_block / cfg.block_size * ctx * batch
+    return {"dtype": dtype, "ms": seconds * 1e3, "tok_s": batch / seconds, "weight_bytes": weights + packed,
+            "kv_bytes": kv, "linear_ms": linear / 1e3, "other_ops_ms": other / 1e3,
+            "rest_ms": prof_seconds * 1e3 - (linear + other) / 1e3, "prof_ms": prof_seconds * 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--out", type=Path, default=OUT / "decode_step.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    info = machine_info()
+    model = build_model("medium")
+    rate = read_rate()
+    results = [measure(model, d, args.batch, args.context, args.steps) for d in tqdm(args.dtypes, desc="decode step")]
+    rows = []
+    for r in results:
+        floor_ms = (r["weight_bytes"] + r["kv_bytes"]) / rate * 1e3
+        rows.append([r["dtype"], r["ms"], r["tok_s"], r["weight_bytes"] / 2**20, r["kv_bytes"] / 2**20, floor_ms,
+                     100 * floor_ms / r["ms"], r["linear_ms"], r["other_ops_ms"], r["rest_ms"]])
+    print(f"\nmedium model, batch {args.batch}, context ~{args.context}, {args.threads} threads; streaming read "
+          f"{rate / 1e9:.1f} GB/s; {load_line(info)}")
+    print(table(["dtype", "ms/step", "tok/s", "weights MiB", "K/V MiB", "read floor ms", "bandwidth eff. %",
+                 "linear ms", "other torch ops ms", "C kernels + Python ms"], rows))
+    write_json(args.out, {"machine": info, "args": vars(args) | {"out": str(args.out)}, "read_rate": rate,
+                          "results": results})
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
