@@ -140,6 +140,23 @@ def make_workload(kind: str, n: int, seed: int = 0, vocab: int = 32000, prompt_l
 
 
 # -- measurement ------------------------------------------------------------------------------------
+STREAM_BYTES = 2**30  # larger than any cache: a streaming read from DRAM
+
+
+def stream_read_seconds(repeats: int = 5) -> float:
+    """Median seconds of torch.sum over STREAM_BYTES of float32: what a memory-bound kernel compares to."""
+    import torch
+
+    x = torch.ones(STREAM_BYTES // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def gemm_peak_flops(dtype: str, threads: int, n: int = 1024, seconds: float = 0.6) -> float:
     """Best sustained FLOP/s of a square torch.mm (n x n x n) with `threads` torch threads."""
     import torch

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import OUT, load_line, machine_info, table, write_json
+from common import OUT, STREAM_BYTES, load_line, machine_info, stream_read_seconds, table, write_json
 from tqdm import tqdm
 
 import asyncengine  # noqa: F401  (the installed package first)
@@ -134,9 +134,8 @@ def elementwise_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
 
 def memory_rows(repeat: int) -> list[list[Any]]:
     """What the attention kernel's GB/s compares to: torch.sum streaming 1 GiB (no cache reuse)."""
-    x = torch.ones(2**28, dtype=torch.float32)
-    t = timeit(lambda i: x.sum(), max(3, repeat // 6))
-    return [["memory", "DRAM read: torch.sum over 1 GiB", t * 1e3, x.numel() * 4 / t / 1e9, None]]
+    t = stream_read_seconds(max(3, repeat // 6))
+    return [["memory", "DRAM read: torch.sum over 1 GiB", t * 1e3, STREAM_BYTES / t / 1e9, None]]
 
 
 def main(argv: list[str] | None = None) -> int:

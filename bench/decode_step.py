@@ -27,7 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import OUT, build_model, load_line, machine_info, table, write_json
+from common import (
+    OUT,
+    STREAM_BYTES,
+    build_model,
+    load_line,
+    machine_info,
+    stream_read_seconds,
+    table,
+    write_json,
+)
 from tqdm import tqdm
 
 import asyncengine  # noqa: F401  (the installed package first)
@@ -38,18 +47,6 @@ from asyncengine.layers.parallel import ParallelContext
 from asyncengine.transport.wire import SamplingOptions
 from asyncengine.worker.input_batch import SeqState, StepBatch
 from asyncengine.worker.model_runner import ModelRunner
-
-
-def read_rate() -> float:
-    """Bytes/s of a streaming read that no cache can hold (1 GiB)."""
-    x = torch.ones(2**28, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / sorted(times)[2]
 
 
 def measure(model: Path, dtype: str, batch: int, context: int, steps: int) -> dict[str, Any]:
@@ -122,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     info = machine_info()
     model = build_model("medium")
-    rate = read_rate()
+    rate = STREAM_BYTES / stream_read_seconds()
     results = [measure(model, d, args.batch, args.context, args.steps) for d in tqdm(args.dtypes, desc="decode step")]
     rows = []
     for r in results:
