@@ -18,7 +18,6 @@ Rows (shapes of a decode step of the "medium" bench model: hidden 768, 12 heads 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -54,11 +53,8 @@ def timeit(fn: Callable[[int], Any], repeat: int) -> float:
 
 
 def torch_path(fn: Callable[[], Any]) -> Any:
-    os.environ["ASYNCENGINE_CPU_OPS"] = "0"
-    try:
+    with cpu_ops.disabled():
         return fn()
-    finally:
-        os.environ.pop("ASYNCENGINE_CPU_OPS")
 
 
 def attention_rows(dtype: torch.dtype, layers: int, repeat: int) -> list[list[Any]]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -21,6 +23,8 @@ from asyncengine.layers.csrc_build import build_library
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+# read once: the lookup runs ~70 times a decode step, and a worker's environment does not change
+_enabled = os.environ.get("ASYNCENGINE_CPU_OPS", "1") != "0"
 _SIGNATURES = {
     "rms_norm": [_P, _L, _P, _P, _P, _P, _I, _I, _F, _I],
     "silu_and_mul": [_P, _P, _I, _I, _I],
@@ -43,11 +47,22 @@ def load_ops_library(portable: bool = False) -> ctypes.CDLL | None:
     return lib
 
 
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Inside the block every op returns None, so callers run their PyTorch code (A/B tests, benches)."""
+    global _enabled
+    saved, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = saved
+
+
 def _lib_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    if not _enabled:
+        return None
     t = tensors[0]
     if t.device.type != "cpu" or t.dtype not in _SUFFIX or any(x.dtype != t.dtype for x in tensors):
-        return None
-    if os.environ.get("ASYNCENGINE_CPU_OPS", "1") == "0":
         return None
     return load_ops_library()
 

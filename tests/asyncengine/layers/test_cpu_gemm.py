@@ -17,7 +17,7 @@ SINGLE = ParallelContext()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("m", [1, 7, 9, 33, 64, 300])  # 7, 9, 33, 300 run padded to a bucket
 @pytest.mark.parametrize("layer_cls,bias", [(ColumnParallelLinear, True), (RowParallelLinear, False)])
 def test_packed_linear_matches_f_linear(dtype, m, layer_cls, bias) -> None:
     torch.manual_seed(m)
@@ -31,7 +31,19 @@ def test_packed_linear_matches_f_linear(dtype, m, layer_cls, bias) -> None:
     assert layer.prepack()
     assert layer.weight.numel() == 0 and layer.packed is not None  # one copy of the weight, the packed one
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(layer(x).float(), F.linear(x, w, b).float(), atol=tol, rtol=tol)
+    y = layer(x)
+    assert y.shape == (m, 80) and y.is_contiguous()
+    torch.testing.assert_close(y.float(), F.linear(x, w, b).float(), atol=tol, rtol=tol)
+
+
+def test_row_buckets() -> None:
+    buckets = [cpu_gemm.bucket_rows(m) for m in range(1, 2049)]
+    assert all(b >= m for m, b in enumerate(buckets, 1))
+    assert buckets == sorted(buckets)  # monotone: a larger batch never runs at a smaller M
+    assert all(cpu_gemm.bucket_rows(b) == b for b in buckets)  # a bucket maps to itself
+    assert buckets[:8] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert len(set(buckets)) <= 64  # what bounds oneDNN's primitive cache
+    assert max((b - m) / m for m, b in enumerate(buckets, 1) if m > 32) <= 1 / 8
 
 
 def test_tied_lm_head_keeps_the_embedding() -> None:

@@ -19,9 +19,8 @@ def build(request, monkeypatch):
     monkeypatch.setattr(cpu_ops, "load_ops_library", lambda portable=False: lib)
 
 
-def torch_path(fn, *args, monkeypatch):
-    with monkeypatch.context() as m:
-        m.setenv("ASYNCENGINE_CPU_OPS", "0")
+def torch_path(fn, *args):
+    with cpu_ops.disabled():
         return fn(*args)
 
 
@@ -36,37 +35,37 @@ def check(got, ref, dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 100), (300, 768)])
-def test_rms_norm(build, monkeypatch, dtype, rows, hidden) -> None:
+def test_rms_norm(build, dtype, rows, hidden) -> None:
     torch.manual_seed(rows)
     norm = RMSNorm(hidden, eps=1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.normal_()
     x = torch.randn(rows, 3 * hidden, dtype=dtype)[:, hidden : 2 * hidden]  # a strided view, like a qkv split
     residual = torch.randn(rows, hidden, dtype=dtype)
-    ref, ref_res = torch_path(norm.fused_add, x, residual, monkeypatch=monkeypatch)
+    ref, ref_res = torch_path(norm.fused_add, x, residual)
     got, got_res = norm.fused_add(x, residual)
     assert torch.equal(got_res, ref_res)
     check(got, ref, dtype)
-    check(norm(x), torch_path(norm, x, monkeypatch=monkeypatch), dtype)
+    check(norm(x), torch_path(norm, x), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,inter", [(1, 40), (64, 2048), (3, 100)])
-def test_silu_and_mul(build, monkeypatch, dtype, rows, inter) -> None:
+def test_silu_and_mul(build, dtype, rows, inter) -> None:
     act = ActAndMul("silu")
     x = torch.randn(rows, 2 * inter, dtype=dtype) * 4
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturating exponentials
-    check(act(x), torch_path(act, x, monkeypatch=monkeypatch), dtype)
+    check(act(x), torch_path(act, x), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,half", [(64, 32), (80, 16), (128, 64)])  # (80, 16): partial rotary
-def test_rotary(build, monkeypatch, dtype, head_dim, half) -> None:
+def test_rotary(build, dtype, head_dim, half) -> None:
     rows, heads = 9, 3
     x = torch.randn(rows, 2 * heads * head_dim, dtype=dtype)[:, : heads * head_dim]
     cos, sin = torch.randn(rows, half, dtype=dtype), torch.randn(rows, half, dtype=dtype)
     got = apply_rotary(x, cos, sin, head_dim)
-    ref = torch_path(apply_rotary, x, cos, sin, head_dim, monkeypatch=monkeypatch)
+    ref = torch_path(apply_rotary, x, cos, sin, head_dim)
     assert torch.equal(got, ref)  # products and sums in torch's order: bit for bit
 
 
