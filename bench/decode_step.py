@@ -3,6 +3,7 @@
 
     python bench/decode_step.py                       # medium model, batch 64, context 256, 2 threads
     python bench/decode_step.py --batch 32 --context 512
+    python bench/decode_step.py --dtypes bfloat16 --kv-cache-dtypes auto fp8_e5m2   # float8 K/V: half the reads
 
 Drives a ModelRunner directly (no engine, no sockets) on the bench's "medium" Llama (~100M, hidden
 768, 12 layers): a prefill of `batch` random prompts of `context` tokens, then timed greedy decode
@@ -49,10 +50,10 @@ from asyncengine.worker.input_batch import SeqState, StepBatch
 from asyncengine.worker.model_runner import ModelRunner
 
 
-def measure(model: Path, dtype: str, batch: int, context: int, steps: int) -> dict[str, Any]:
+def measure(model: Path, dtype: str, kv_dtype: str, batch: int, context: int, steps: int) -> dict[str, Any]:
     torch_dtype = getattr(torch, dtype)
     set_attention_backend(CpuAttentionBackend())
-    cfg = EngineConfig(model=str(model), dtype=dtype, max_num_seqs=max(batch, 1))
+    cfg = EngineConfig(model=str(model), dtype=dtype, max_num_seqs=max(batch, 1), kv_cache_dtype=kv_dtype)
     max_len = context + steps + 16
     runner = ModelRunner(cfg, ParallelContext(), torch.device("cpu"), torch_dtype, max_len)
     per_seq = -(-max_len // cfg.block_size)
@@ -102,7 +103,7 @@ def measure(model: Path, dtype: str, batch: int, context: int, steps: int) -> di
                  if isinstance(getattr(m, "packed", None), torch.Tensor))
     ctx = context + 2 + steps / 2  # mean context over the timed steps
     kv = runner.kv_bytes_per_block / cfg.block_size * ctx * batch
-    return {"dtype": dtype, "ms": seconds * 1e3, "tok_s": batch / seconds, "weight_bytes": weights + packed,
+    return {"dtype": dtype, "kv_cache_dtype": kv_dtype, "ms": seconds * 1e3, "tok_s": batch / seconds, "weight_bytes": weights + packed,
             "kv_bytes": kv, "linear_ms": linear / 1e3, "other_ops_ms": other / 1e3,
             "rest_ms": prof_seconds * 1e3 - (linear + other) / 1e3, "prof_ms": prof_seconds * 1e3}
 
@@ -114,21 +115,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8_e5m2"])
     p.add_argument("--out", type=Path, default=OUT / "decode_step.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     info = machine_info()
     model = build_model("medium")
     rate = STREAM_BYTES / stream_read_seconds()
-    results = [measure(model, d, args.batch, args.context, args.steps) for d in tqdm(args.dtypes, desc="decode step")]
+    runs = [(d, kv) for d in args.dtypes for kv in args.kv_cache_dtypes]
+    results = [measure(model, d, kv, args.batch, args.context, args.steps) for d, kv in tqdm(runs, desc="decode step")]
     rows = []
     for r in results:
         floor_ms = (r["weight_bytes"] + r["kv_bytes"]) / rate * 1e3
-        rows.append([r["dtype"], r["ms"], r["tok_s"], r["weight_bytes"] / 2**20, r["kv_bytes"] / 2**20, floor_ms,
+        rows.append([r["dtype"], r["kv_cache_dtype"], r["ms"], r["tok_s"], r["weight_bytes"] / 2**20, r["kv_bytes"] / 2**20, floor_ms,
                      100 * floor_ms / r["ms"], r["linear_ms"], r["other_ops_ms"], r["rest_ms"]])
     print(f"\nmedium model, batch {args.batch}, context ~{args.context}, {args.threads} threads; streaming read "
           f"{rate / 1e9:.1f} GB/s; {load_line(info)}")
-    print(table(["dtype", "ms/step", "tok/s", "weights MiB", "K/V MiB", "read floor ms", "bandwidth eff. %",
+    print(table(["dtype", "KV dtype", "ms/step", "tok/s", "weights MiB", "K/V MiB", "read floor ms", "bandwidth eff. %",
                  "linear ms", "other torch ops ms", "C kernels + Python ms"], rows))
     write_json(args.out, {"machine": info, "args": vars(args) | {"out": str(args.out)}, "read_rate": rate,
                           "results": results})

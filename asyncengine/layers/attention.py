@@ -4,7 +4,9 @@ The model runner builds one AttentionMetadata per step and enters `forward_conte
 Attention layer reads it from there (no set/reset pairs, no metadata threaded through model code).
 
 KV-cache layout, per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
-Token slot s lives at block s // block_size, offset s % block_size.
+Token slot s lives at block s // block_size, offset s % block_size. The cache holds the model's dtype,
+or float8 e5m2 with kv_cache_dtype=fp8_e5m2 (CPU): keys and values are rounded once, when written,
+and every attention of the step (a fresh prompt's over its own keys too) sees them as stored.
 """
 
 from __future__ import annotations
@@ -139,6 +141,11 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.k_cache.numel():
-            write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            if self.k_cache.dtype != k.dtype:  # a float8 cache
+                k, v = k.to(self.k_cache.dtype), v.to(self.k_cache.dtype)
+                write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            else:
+                write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = get_attention_backend().forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)

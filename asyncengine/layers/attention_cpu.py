@@ -26,7 +26,13 @@ from asyncengine.layers.csrc_build import build_library
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-_KERNELS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
+# (query dtype, cache dtype) -> kernel; an e5m2 cache (kv_cache_dtype=fp8_e5m2) is widened in registers
+_KERNELS = {
+    (torch.float32, torch.float32): "paged_attention_f32",
+    (torch.bfloat16, torch.bfloat16): "paged_attention_bf16",
+    (torch.float32, torch.float8_e5m2): "paged_attention_f32_e5m2",
+    (torch.bfloat16, torch.float8_e5m2): "paged_attention_bf16_e5m2",
+}
 SDPA_MIN_ROWS = 16  # a prompt chunk at least this long after cached context goes to SDPA (see forward)
 # limits compiled into the kernel (MAX_HEAD_DIM, MAX_BLOCK, MAX_GROUP); beyond them: the reference
 
@@ -91,7 +97,7 @@ class CpuAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        kernel = _KERNELS.get(q.dtype)
+        kernel = _KERNELS.get((q.dtype, k_cache.dtype))
         supported = q.shape[2] <= 512 and k_cache.shape[1] <= 256 and q.shape[1] // max(k.shape[1], 1) <= 64
         if self.lib is None or kernel is None or not supported or not k_cache.numel() or q.device.type != "cpu":
             return self.reference.forward(q, k, v, k_cache, v_cache, meta, scale)
@@ -109,8 +115,8 @@ class CpuAttentionBackend:
                     if q_len == seq_len:
                         keys, values = k[start:end], v[start:end]
                     else:  # this step's keys are already in the cache (written before attention)
-                        keys = gather_kv(k_cache, meta.block_tables[i], seq_len)
-                        values = gather_kv(v_cache, meta.block_tables[i], seq_len)
+                        keys = gather_kv(k_cache, meta.block_tables[i], seq_len, q.dtype)
+                        values = gather_kv(v_cache, meta.block_tables[i], seq_len, q.dtype)
                     out[start:end] = _causal_attention(q[start:end], keys, values, scale)
                 start = end
         return out

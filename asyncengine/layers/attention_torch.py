@@ -38,10 +38,11 @@ def gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [max_blocks] int32
     seq_len: int,
+    dtype: torch.dtype,  # the query's: a float8 cache is widened to it
 ) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len].to(dtype)
 
 
 class TorchAttentionBackend:
@@ -66,8 +67,8 @@ class TorchAttentionBackend:
             if seq_len == q_len:  # no cached context: attend over this step's keys directly
                 keys, values = k[start:end], v[start:end]
             else:
-                keys = gather_kv(k_cache, meta.block_tables[i], seq_len)
-                values = gather_kv(v_cache, meta.block_tables[i], seq_len)
+                keys = gather_kv(k_cache, meta.block_tables[i], seq_len, q.dtype)
+                values = gather_kv(v_cache, meta.block_tables[i], seq_len, q.dtype)
             out[start:end] = _causal_attention(q[start:end], keys, values, scale)
             start = end
         return out
@@ -84,8 +85,8 @@ class TorchAttentionBackend:
         block_size = k_cache.shape[1]
         max_blocks = -(-meta.max_seq_len // block_size)
         tables = meta.block_tables[:num_seqs, :max_blocks].long()  # [B, M]
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, M * block_size, D]
-        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, Hkv, M * block_size, D]
+        values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
         positions = torch.arange(keys.shape[2], device=q.device)
         mask = positions[None, :] < meta.seq_lens[:num_seqs, None].to(q.device)  # [B, S]
         out = sdpa(q[:num_seqs].unsqueeze(2), keys, values, mask[:, None, None, :], False, scale)  # [B, H, 1, D]

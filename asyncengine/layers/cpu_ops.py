@@ -125,7 +125,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> bool:
     """k, v [T, kv_heads, head_dim] -> their slots of [num_blocks, block_size, kv_heads, head_dim] caches.
     False (nothing written) where it does not apply; IndexError for a slot outside the cache."""
-    lib = _lib_for(k, v, k_cache, v_cache)
+    # a byte copy: any dtype works, float8 caches (kv_cache_dtype=fp8_e5m2) included
+    if not _enabled or any(x.device.type != "cpu" or x.dtype != k.dtype for x in (v, k_cache, v_cache)):
+        return False
+    lib = load_ops_library()
     if lib is None or slot_mapping.dtype != torch.int64 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
     heads, head_dim = k.shape[1], k.shape[2]

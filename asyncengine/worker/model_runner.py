@@ -17,6 +17,7 @@ from torch import nn
 
 from asyncengine.config import EngineConfig
 from asyncengine.cuda.graph_runner import GraphRunner, ModelInputs
+from asyncengine.errors import ConfigError
 from asyncengine.layers import cpu_gemm
 from asyncengine.layers.attention import Attention, AttentionMetadata, forward_context
 from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
@@ -56,6 +57,9 @@ class ModelRunner:
         self.parallel = parallel
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = torch.float8_e5m2 if config.kv_cache_dtype == "fp8_e5m2" else dtype
+        if self.kv_dtype != dtype and device.type != "cpu":
+            raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype} is implemented for CPU workers only")
         self.block_size = config.block_size
         self.model: nn.Module = load_model(config.model, parallel, dtype, device, progress=progress)
         if device.type == "cpu":
@@ -69,7 +73,7 @@ class ModelRunner:
     # -- KV cache ---------------------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem for a in self.attention_layers)
 
     def init_cache(self, num_blocks: int) -> None:
@@ -77,8 +81,8 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attention_layers:
             shape = (num_blocks + 1, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = zeros(shape, self.dtype, self.device)
-            layer.v_cache = zeros(shape, self.dtype, self.device)
+            layer.k_cache = zeros(shape, self.kv_dtype, self.device)
+            layer.v_cache = zeros(shape, self.kv_dtype, self.device)
             self.kv_caches.append((layer.k_cache, layer.v_cache))
         # Decode steps of the first stage go through the GraphRunner on a GPU (CUDA graphs; eager on
         # padded static buffers with enforce_eager). Later stages receive their input from the

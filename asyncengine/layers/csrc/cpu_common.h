@@ -1,4 +1,4 @@
-/* Helpers shared by the CPU kernels in this directory: bfloat16 <-> float32 and, with AVX-512,
+/* Helpers shared by the CPU kernels in this directory: bfloat16 <-> float32, float8 e5m2 -> float32 and, with AVX-512,
  * 16-lane masks, bf16 loads and a polynomial exp. Included by paged_attention.c and cpu_ops.c;
  * asyncengine/layers/csrc_build.py hashes this file into both libraries' cache keys. */
 #ifndef ASYNCENGINE_CPU_COMMON_H
@@ -23,6 +23,19 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* float8 e5m2 (the KV cache's kv_cache_dtype=fp8_e5m2) is the top byte of an IEEE half: exact widening. */
+static inline float e5m2_to_f32(uint8_t b) {
+    const uint32_t sign = (uint32_t)(b & 0x80) << 24, exp = (b >> 2) & 0x1f, man = b & 3;
+    if (!exp) { /* zero or subnormal: man * 2^-16 */
+        const float f = (float)man * 1.52587890625e-05f;
+        return sign ? -f : f;
+    }
+    const uint32_t u = sign | (exp == 0x1f ? 0x7f800000u : (exp + 112) << 23) | (man << 21); /* 112 = 127 - 15 */
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
@@ -32,6 +45,11 @@ static inline __mmask16 mask_upto(int n) { return n >= 16 ? (__mmask16)0xFFFF : 
 /* 16 bf16 values (zero where the mask is off) widened to float32 in registers: a 16-bit shift. */
 static inline __m512 load16_bf16(const uint16_t *p, __mmask16 mk) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p)), 16));
+}
+
+/* 16 e5m2 bytes as float32: widened to half (a byte shift), then vcvtph2ps. */
+static inline __m512 load16_e5m2(const uint8_t *p, __mmask16 mk) {
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mk, p)), 8));
 }
 
 /* exp(x), 16 lanes, Cephes' expf polynomial (~1 ulp); ~0 below -87, inf above 88 (scalef overflows). */

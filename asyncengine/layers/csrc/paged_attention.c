@@ -7,7 +7,8 @@
  * One OpenMP task handles one query row and a group of heads that share a KV head. It walks the
  * keys in cache order, so each key's [head_dim] vector is loaded once for all heads of the group;
  * rows whose sequence is long are split no further (decode rows are short work items already).
- * Layouts (contiguous): q/out [T, H, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D];
+ * Layouts (contiguous): q/out [T, H, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D], in the
+ * query's dtype or (the *_e5m2 kernels) float8 e5m2 bytes, widened in registers;
  * block_tables [B, max_blocks] int32; query_start [B + 1] int32; seq_lens [B] int32; skip [B] or NULL.
  * Built at run time by asyncengine/layers/attention_cpu.py with gcc -O3 -march=native -fopenmp.
  *
@@ -25,8 +26,8 @@
 #define MAX_BLOCK 256
 #define MAX_GROUP 64
 
-#define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                              \
-int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,             \
+#define DEFINE_KERNEL(NAME, T, KT, LOAD, KLOAD, STORE)                                                  \
+int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t *block_tables,             \
          const int32_t *query_start, const int32_t *seq_lens, const uint8_t *skip, int num_seqs,          \
          int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,      \
          int num_threads) {                                                                             \
@@ -58,12 +59,12 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *
             const int n = n_keys - start < block_size ? n_keys - start : block_size;                    \
             const long base = (long)table[start / block_size] * block_size;                             \
             for (int t = 0; t < n; t++) {                                                               \
-                const T *kp = k_cache + ((base + t) * num_kv_heads + kvh) * head_dim;                   \
+                const KT *kp = k_cache + ((base + t) * num_kv_heads + kvh) * head_dim;                  \
                 for (int g = 0; g < group; g++) {                                                       \
                     const float *qg = qf + g * head_dim;                                                \
                     float dot = 0.f;                                                                    \
                     _Pragma("omp simd reduction(+:dot)") /* vectorise without -ffast-math */            \
-                    for (int d = 0; d < head_dim; d++) dot += qg[d] * LOAD(kp[d]);                      \
+                    for (int d = 0; d < head_dim; d++) dot += qg[d] * KLOAD(kp[d]);                     \
                     scores[g * block_size + t] = dot;                                                   \
                 }                                                                                       \
             }                                                                                           \
@@ -83,11 +84,11 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *
                 }                                                                                       \
             }                                                                                           \
             for (int t = 0; t < n; t++) {                                                               \
-                const T *vp = v_cache + ((base + t) * num_kv_heads + kvh) * head_dim;                   \
+                const KT *vp = v_cache + ((base + t) * num_kv_heads + kvh) * head_dim;                  \
                 for (int g = 0; g < group; g++) {                                                       \
                     const float p = scores[g * block_size + t];                                         \
                     float *ag = acc + g * head_dim;                                                     \
-                    for (int d = 0; d < head_dim; d++) ag[d] += p * LOAD(vp[d]);                        \
+                    for (int d = 0; d < head_dim; d++) ag[d] += p * KLOAD(vp[d]);                       \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
@@ -113,8 +114,8 @@ static inline void store_bf16(uint16_t *p, float x) { *p = f32_to_bf16(x); }
 
 /* One work item = one query row and a run of `per` KV heads (all of them when there are rows enough to
  * keep the threads busy): the keys of a cache block are then read as one contiguous stream. */
-#define DEFINE_AVX512_KERNEL(NAME, T, LOAD, LOAD16, STORE)                                                 \
-int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,             \
+#define DEFINE_AVX512_KERNEL(NAME, T, KT, LOAD, KLOAD16, STORE)                                           \
+int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t *block_tables,             \
          const int32_t *query_start, const int32_t *seq_lens, const uint8_t *skip, int num_seqs,          \
          int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,      \
          int num_threads) {                                                                             \
@@ -166,19 +167,19 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *
                    fetched one per key of this block, so the loads overlap with this block's math */      \
                 const long next = start + block_size < n_keys                                            \
                     ? ((long)table[start / block_size + 1] * block_size * num_kv_heads + kv0) * head_dim : -1; \
-                const T *kb = k_cache + base, *vb = v_cache + base; /* row t, local KV head h: + t * kv_stride + h * head_dim */ \
+                const KT *kb = k_cache + base, *vb = v_cache + base; /* row t, local KV head h: + t * kv_stride + h * head_dim */ \
                 for (int t = 0; t < n; t++) { /* scores = q . k, one horizontal add per (key, head) */   \
                     if (next >= 0)                                                                      \
-                        for (long b = 0; b < (long)nkv * head_dim * (long)sizeof(T); b += 64) {         \
+                        for (long b = 0; b < (long)nkv * head_dim * (long)sizeof(KT); b += 64) {         \
                             _mm_prefetch((const char *)(k_cache + next + t * kv_stride) + b, _MM_HINT_T0); \
                             _mm_prefetch((const char *)(v_cache + next + t * kv_stride) + b, _MM_HINT_T0); \
                         }                                                                               \
                     for (int x = 0; x < hg; x++) {                                                      \
-                        const T *kp = kb + t * kv_stride + (x / group) * head_dim;                      \
+                        const KT *kp = kb + t * kv_stride + (x / group) * head_dim;                      \
                         __m512 dot = _mm512_setzero_ps();                                               \
                         for (int j = 0; j < width; j += 16)                                             \
                             dot = _mm512_fmadd_ps(_mm512_load_ps(qf + x * width + j),                   \
-                                                  LOAD16(kp + j, mask_upto(head_dim - j)), dot); \
+                                                  KLOAD16(kp + j, mask_upto(head_dim - j)), dot);\
                         scores[x * sb + t] = _mm512_reduce_add_ps(dot);                                 \
                     }                                                                                   \
                 }                                                                                       \
@@ -207,12 +208,12 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *
                 }                                                                                       \
                 for (int x = 0; x < hg; x++) { /* acc += p . v, 16 dims in a register at a time */      \
                     const float *sc = scores + x * sb;                                                  \
-                    const T *vh = vb + (x / group) * head_dim;                                          \
+                    const KT *vh = vb + (x / group) * head_dim;                                          \
                     for (int j = 0; j < width; j += 16) {                                               \
                         const __mmask16 mk = mask_upto(head_dim - j);                                   \
                         __m512 a = _mm512_load_ps(acc + x * width + j);                                 \
                         for (int t = 0; t < n; t++)                                                     \
-                            a = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), LOAD16(vh + t * kv_stride + j, mk), a); \
+                            a = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), KLOAD16(vh + t * kv_stride + j, mk), a);\
                         _mm512_store_ps(acc + x * width + j, a);                                        \
                     }                                                                                   \
                 }                                                                                       \
@@ -228,12 +229,16 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *
     return failed ? -2 : 0;                                                                             \
 }
 
-DEFINE_AVX512_KERNEL(paged_attention_f32, float, load_f32, load16_f32, store_f32)
-DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, bf16_to_f32, load16_bf16, store_bf16)
+DEFINE_AVX512_KERNEL(paged_attention_f32, float, float, load_f32, load16_f32, store_f32)
+DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, bf16_to_f32, load16_bf16, store_bf16)
+DEFINE_AVX512_KERNEL(paged_attention_f32_e5m2, float, uint8_t, load_f32, load16_e5m2, store_f32)
+DEFINE_AVX512_KERNEL(paged_attention_bf16_e5m2, uint16_t, uint8_t, bf16_to_f32, load16_e5m2, store_bf16)
 
 #else /* portable */
 #define IDENTITY(x) (x)
-DEFINE_KERNEL(paged_attention_f32, float, IDENTITY, IDENTITY)
-DEFINE_KERNEL(paged_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_KERNEL(paged_attention_f32, float, float, IDENTITY, IDENTITY, IDENTITY)
+DEFINE_KERNEL(paged_attention_bf16, uint16_t, uint16_t, bf16_to_f32, bf16_to_f32, f32_to_bf16)
+DEFINE_KERNEL(paged_attention_f32_e5m2, float, uint8_t, IDENTITY, e5m2_to_f32, IDENTITY)
+DEFINE_KERNEL(paged_attention_bf16_e5m2, uint16_t, uint8_t, bf16_to_f32, e5m2_to_f32, f32_to_bf16)
 
 #endif

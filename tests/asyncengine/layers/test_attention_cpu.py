@@ -100,3 +100,47 @@ def test_both_builds_match_reference(dtype, heads, head_dim) -> None:
     for lib in (load_kernel_library(), load_kernel_library(portable=True)):
         got = CpuAttentionBackend(lib).forward(q, k, v, kc, vc, meta, 0.1)
         torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+def quantize(q, k, v, kc, vc):
+    """What the Attention layer does with kv_cache_dtype=fp8_e5m2: caches in e5m2, this step's K/V as stored."""
+    e5m2 = torch.float8_e5m2
+    return q, k.to(e5m2).to(q.dtype), v.to(e5m2).to(q.dtype), kc.to(e5m2), vc.to(e5m2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_dim,block_size", [((4, 4), 64, 16), ((8, 2), 80, 32), ((12, 12), 64, 16)])
+def test_fp8_cache_matches_reference(dtype, heads, head_dim, block_size) -> None:
+    num_heads, num_kv_heads = heads
+    batch = build_batch([1, 1, 5, 20, 1, 17], [0, 40, 12, 30, 300, 0], num_heads, num_kv_heads, head_dim, block_size,
+                        dtype)
+    q, k, v, kc, vc = quantize(*batch[:5])
+    meta = batch[5]
+    ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.1)
+    # the reference on a float8 cache is the reference on its widened copy
+    widened = TorchAttentionBackend().forward(q, k, v, kc.to(dtype), vc.to(dtype), meta, 0.1)
+    torch.testing.assert_close(ref, widened, atol=0, rtol=0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for lib in (load_kernel_library(), load_kernel_library(portable=True)):
+        got = CpuAttentionBackend(lib).forward(q, k, v, kc, vc, meta, 0.1)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_widening_is_exact(dtype) -> None:
+    """One key: softmax is 1 and the output is the cached value itself, so every finite e5m2 byte must
+    come back as torch widens it (subnormals, zeros and both signs included), in both builds."""
+    codes = [b for b in range(256) if (b >> 2) & 0x1F != 0x1F]  # 248 finite codes; inf / NaN excluded
+    codes += [0] * (256 - len(codes))
+    vc = torch.tensor(codes, dtype=torch.uint8).view(torch.float8_e5m2).view(1, 1, 2, 128)
+    vc = torch.cat([torch.zeros_like(vc), vc])  # block 1 holds the key
+    kc = torch.zeros_like(vc)
+    meta = AttentionMetadata(torch.tensor([16]), torch.tensor([0, 1], dtype=torch.int32),
+                             torch.tensor([1], dtype=torch.int32), torch.tensor([[1]], dtype=torch.int32),
+                             [1], [1], 1, 1)
+    q = torch.randn(1, 2, 128).to(dtype)
+    k, v = kc[1].to(dtype), vc[1].to(dtype)
+    for lib in (load_kernel_library(), load_kernel_library(portable=True)):
+        got = CpuAttentionBackend(lib).forward(q, k, v, kc, vc, meta, 0.1)
+        assert torch.equal(got[0].float(), vc[1, 0].float())
