@@ -11,7 +11,7 @@ Rows (shapes of a decode step of the "medium" bench model: hidden 768, 12 heads 
   different layer's cache (12 of them), so the K/V come from memory as in a real step, not from L3.
 * linear layers: oneDNN-packed weights (layers/cpu_gemm.py) vs F.linear, per projection, at M = 64.
 * element-wise: the fused C ops (layers/cpu_ops.py) vs the torch code they replace; the KV-cache write
-  (cpu_ops.write_kv vs index_copy_) and the sampler's greedy pick (max(dim) vs argmax).
+  (cpu_ops.write_kv vs index_copy_) and the sampler's greedy pick (cpu_ops.argmax_rows on the logits as they are vs argmax).
 * memory: torch.sum over 1 GiB, the streaming-read rate the attention rows' GB/s compare to.
 """
 

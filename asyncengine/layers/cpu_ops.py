@@ -29,6 +29,7 @@ _SIGNATURES = {
     "rms_norm": [_P, _L, _P, _P, _P, _P, _I, _I, _F, _I],
     "silu_and_mul": [_P, _P, _I, _I, _I],
     "rotary": [_P, _L, _P, _P, _P, _I, _I, _I, _I, _I],
+    "argmax_rows": [_P, _L, _I, _I, _P, _I],
 }
 
 
@@ -118,6 +119,19 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int)
     getattr(lib, f"rotary_{_SUFFIX[x.dtype]}")(
         x2.data_ptr(), x2.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows, width // head_dim,
         head_dim, cos.shape[-1], torch.get_num_threads())
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """[N, V] -> [N] int64: each row's first maximal index (a NaN's where the row has one), as
+    x.max(dim=-1).indices; reads bfloat16 logits as they are."""
+    lib = _lib_for(x)
+    x2 = _rows(x)
+    if lib is None or x2 is None or not 0 < x.shape[1] < 2**31:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    getattr(lib, f"argmax_rows_{_SUFFIX[x.dtype]}")(x2.data_ptr(), x2.stride(0), x.shape[0], x.shape[1],
+                                                    out.data_ptr(), torch.get_num_threads())
     return out
 
 

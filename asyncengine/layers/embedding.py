@@ -75,13 +75,13 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
         return self.packed is not None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab], model dtype
         if self.packed is not None:
             logits = cpu_gemm.linear(hidden, self.packed, None)  # [N, per_rank]
         else:
             logits = F.linear(hidden, self.weight)  # [N, per_rank]
         logits = tp_all_gather(logits, self.parallel, dim=-1)  # [N, padded vocab]
-        return logits[:, : self.num_embeddings].float()
+        return logits[:, : self.num_embeddings]  # the sampler widens to float32 where it needs to
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not an embedding lookup; call compute_logits")

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from asyncengine.layers import cpu_ops
 from asyncengine.transport.wire import SamplingOptions, TokenLogprobs
 
 
@@ -36,6 +37,10 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        # [N, V] in the model's dtype. Plain greedy rows need only the argmax, which is the same in
+        # any dtype (widening is exact); everything else works on a float32 copy.
+        if all(r.options.temperature == 0.0 and r.options.logprobs is None and not _penalized(r) for r in rows):
+            return SamplerOutput(argmax_rows(logits).tolist(), None)
         logits = logits.float()  # [N, V]
         wants_logprobs = any(r.options.logprobs is not None for r in rows)
         logprobs_out = self._logprobs(logits, rows) if wants_logprobs else None
@@ -126,11 +131,20 @@ class Sampler:
         return out
 
 
+def _penalized(row: SamplingRow) -> bool:
+    """Whether _apply_penalties would change this row's logits."""
+    opt = row.options
+    return bool((opt.min_tokens and row.num_output_tokens < opt.min_tokens and opt.min_tokens_banned_ids)
+                or opt.repetition_penalty != 1.0
+                or ((opt.presence_penalty or opt.frequency_penalty) and row.output_counts))
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N]
-    """The first index of each row's maximum, as argmax. On CPU torch's argmax is a serial reduction:
-    1.7 ms for [64, 32000] float32 on this machine, where max(dim) takes 0.5 ms for the same answer
-    (both return the first maximal index, and a NaN's index where a row has one)."""
-    return x.max(dim=-1).indices
+    """The first index of each row's maximum (a NaN's where the row has one), as argmax. On CPU this is
+    cpu_ops.argmax_rows: 0.1 ms for [64, 32000] bfloat16 logits read as they are, where torch needs a
+    float32 copy and max(dim) (0.9 ms), and its argmax, a serial reduction, 1.7 ms in float32."""
+    fast = cpu_ops.argmax_rows(x) if x.device.type == "cpu" else None
+    return fast if fast is not None else x.max(dim=-1).indices
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-/* Fused element-wise ops for CPU workers: RMSNorm (+ residual add), SiLU-and-mul, rotary embedding.
+/* Fused element-wise ops for CPU workers: RMSNorm (+ residual add), SiLU-and-mul, rotary embedding,
+ * the greedy pick (argmax per row) and the paged KV-cache write.
  *
  * In torch each of these is 3-8 separate ops, each a pass over memory with an allocation and a
  * dispatch (in bfloat16 also a widen and a narrow per op); at decode sizes that overhead dominates.
@@ -119,6 +120,62 @@ void silu_and_mul_##SUF(const T *x, T *out, int rows, int inter, int num_threads
 
 DEFINE_SILU(f32, float, load_f32, store_f32, round_f32)
 DEFINE_SILU(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+
+/* out[r] = the first index of row r's maximum, or of its first NaN: what torch's max(dim).indices
+ * returns. Reads bf16 logits as they are (no float32 copy of [rows, vocab] first). */
+#ifdef HAVE_AVX512
+static inline __m512 load16_f32v(const float *p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
+
+/* Each lane keeps its first maximum (strict >) and where it was; the answer is the smallest position
+ * among the lanes that hold the row's maximum. */
+#define DEFINE_ARGMAX(SUF, T, LOAD, LOAD16)                                                             \
+void argmax_rows_##SUF(const T *x, long x_stride, int rows, int cols, int64_t *out, int num_threads) {  \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * cols >= PAR_MIN)") \
+    for (int r = 0; r < rows; r++) {                                                                    \
+        const T *xr = x + (long)r * x_stride;                                                           \
+        __m512 best = _mm512_set1_ps(-INFINITY);                                                        \
+        __m512i where = _mm512_setzero_si512(), at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); \
+        __mmask16 nan = 0;                                                                              \
+        for (int c = 0; c < cols; c += 16) {                                                            \
+            const __mmask16 mk = mask_upto(cols - c);                                                   \
+            const __m512 v = LOAD16(xr + c, mk);                                                        \
+            nan |= _mm512_mask_cmp_ps_mask(mk, v, v, _CMP_UNORD_Q);                                     \
+            const __mmask16 gt = _mm512_mask_cmp_ps_mask(mk, v, best, _CMP_GT_OQ);                      \
+            best = _mm512_mask_mov_ps(best, gt, v);                                                     \
+            where = _mm512_mask_mov_epi32(where, gt, at);                                               \
+            at = _mm512_add_epi32(at, _mm512_set1_epi32(16));                                           \
+        }                                                                                               \
+        if (nan) {                                                                                      \
+            int c = 0;                                                                                  \
+            while (LOAD(xr[c]) == LOAD(xr[c])) c++;                                                     \
+            out[r] = c;                                                                                 \
+        } else { /* a row of -inf only: every lane still says 0, the right answer */                    \
+            const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ); \
+            out[r] = _mm512_reduce_min_epi32(_mm512_mask_mov_epi32(_mm512_set1_epi32(0x7fffffff), top, where)); \
+        }                                                                                               \
+    }                                                                                                   \
+}
+DEFINE_ARGMAX(f32, float, load_f32, load16_f32v)
+DEFINE_ARGMAX(bf16, uint16_t, bf16_to_f32, load16_bf16)
+#else
+#define DEFINE_ARGMAX(SUF, T, LOAD)                                                                     \
+void argmax_rows_##SUF(const T *x, long x_stride, int rows, int cols, int64_t *out, int num_threads) {  \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * cols >= PAR_MIN)") \
+    for (int r = 0; r < rows; r++) {                                                                    \
+        const T *xr = x + (long)r * x_stride;                                                           \
+        float m = -INFINITY;                                                                            \
+        int64_t best = 0;                                                                               \
+        for (int c = 0; c < cols; c++) {                                                                \
+            const float v = LOAD(xr[c]);                                                                \
+            if (v != v) { best = c; break; }                                                            \
+            if (v > m) { m = v; best = c; }                                                             \
+        }                                                                                               \
+        out[r] = best;                                                                                  \
+    }                                                                                                   \
+}
+DEFINE_ARGMAX(f32, float, load_f32)
+DEFINE_ARGMAX(bf16, uint16_t, bf16_to_f32)
+#endif
 
 /* The paged KV-cache write of a step: row r of k (and of v) -> cache slot slots[r]. Rows are
  * row_bytes long (kv_heads * head_dim elements) and k_stride / v_stride bytes apart: k and v are

@@ -91,3 +91,26 @@ def test_write_kv_matches_index_copy(dtype) -> None:
     assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
     with pytest.raises(IndexError):
         cpu_ops.write_kv(k, v, got_k, got_v, torch.full((tokens,), blocks * bs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows(build, dtype) -> None:
+    """The first index of each row's maximum, or of its first NaN, exactly as torch's max(dim).indices:
+    ties, +-inf, rows of -inf only, NaN, a strided row view (the LM head's vocab padding), odd widths."""
+    torch.manual_seed(0)
+    for trial in range(120):
+        rows, cols = 1 + trial % 9, 1 + (trial * 37) % 301
+        x = (torch.randn(rows, cols) * 2).round().to(dtype)  # coarse values: many ties
+        if trial % 5 == 0:
+            x[0, (trial * 7) % cols] = float("nan")
+        if trial % 7 == 0:
+            x[-1] = float("-inf")
+        if trial % 11 == 0:
+            x[0, -1] = float("inf")
+        got = cpu_ops.argmax_rows(x)
+        assert got is not None and torch.equal(got, x.max(dim=-1).indices), (trial, x)
+    wide = torch.randn(6, 1040).to(dtype)
+    view = wide[:, :1000]  # rows 1040 apart
+    assert torch.equal(cpu_ops.argmax_rows(view), view.max(dim=-1).indices)
+    with cpu_ops.disabled():
+        assert cpu_ops.argmax_rows(wide) is None

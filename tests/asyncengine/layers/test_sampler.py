@@ -29,3 +29,16 @@ def test_greedy_rows_unchanged_by_sampled_neighbours() -> None:
     assert out.token_ids[0] == expect[0] and out.token_ids[2] == expect[2]
     again = Sampler(123, torch.device("cpu"))(logits, [_row(), _row(1.0, seed=7), _row(), _row(0.8, seed=8)])
     assert again.token_ids == out.token_ids  # seeded rows draw from their own generators
+
+
+def test_greedy_on_bfloat16_logits_equals_their_float32_argmax() -> None:
+    logits = torch.randn(33, 5000).to(torch.bfloat16)  # bf16 has few values: ties are frequent
+    out = Sampler(0, torch.device("cpu"))(logits, [_row() for _ in range(33)])
+    assert out.token_ids == logits.float().argmax(dim=-1).tolist()
+
+
+def test_penalised_greedy_rows_take_the_slow_path() -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, 2], logits[0, 5] = 1.0, 0.5  # token 2 is in the row's ids [1, 2, 3], token 5 is not
+    row = SamplingRow(SamplingOptions(temperature=0.0, repetition_penalty=100.0), None, [1, 2, 3], {2: 1}, 1)
+    assert Sampler(0, torch.device("cpu"))(logits, [row]).token_ids == [5]  # 1.0 / 100 < 0.5
