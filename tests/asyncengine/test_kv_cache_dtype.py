@@ -47,3 +47,20 @@ def test_bad_kv_cache_dtype_is_a_config_error(tiny_model_factory) -> None:
         EngineConfig(model=str(model), kv_cache_dtype="int4")
     with pytest.raises(ConfigError, match="CPU workers only"):
         EngineConfig(model=str(model), kv_cache_dtype="fp8_e5m2", device="cuda")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2)])
+def test_fp8_cache_sharded_matches_single_worker(pp, tp, tiny_model_factory, llm_factory) -> None:
+    """Each stage / TP rank keeps its own float8 cache of its layers / KV heads: same greedy tokens."""
+    model = tiny_model_factory("llama", num_hidden_layers=4)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 120))] for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outs = []
+    for p, t in ((1, 1), (pp, tp)):
+        llm = llm_factory(model, kv_cache_dtype="fp8_e5m2", pipeline_parallel_size=p, tensor_parallel_size=t,
+                          num_threads=1)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        llm.shutdown()
+    assert outs[0] == outs[1]
