@@ -31,8 +31,8 @@ class EngineConfig:
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     kv_cache_dtype: str = field(default="auto", metadata={
-        "help": "auto (the model's dtype) | fp8_e5m2 (CPU: half the KV bytes of bfloat16, K/V rounded to 2 "
-                "mantissa bits; output no longer matches the model's dtype token for token)"})
+        "help": "auto (the model's dtype) | fp8_e5m2 (half the KV bytes of bfloat16, K/V rounded to 2 mantissa "
+                "bits; output no longer matches the model's dtype token for token)"})
     num_kv_blocks: int | None = field(default=None, metadata={"help": "KV blocks (default: size from memory)"})
     kv_cache_memory_bytes: int | None = field(
         default=None, metadata={"help": "KV-cache bytes per worker on CPU (default: 1/4 of free RAM, max 4 GiB)"}
@@ -66,9 +66,6 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto" and self.device == "cuda":
-            raise ConfigError("kv_cache_dtype=fp8_e5m2 is implemented for CPU workers only (the Triton kernel reads "
-                              "the model's dtype)")
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}")
         for name in ("pipeline_parallel_size", "tensor_parallel_size", "block_size", "max_num_seqs",

@@ -139,7 +139,8 @@ if HAS_TRITON:
             offset = offs_n % block_size
             mask_kv = mask_n[:, None] & mask_d[None, :]
             k_ptrs = K_cache + block.to(tl.int64)[:, None] * stride_kb + offset[:, None] * stride_ks
-            k = tl.load(k_ptrs + kv_head * stride_kh + offs_d[None, :], mask=mask_kv, other=0.0)  # [N, D]
+            # a float8 cache (kv_cache_dtype=fp8_e5m2) is widened to the query's dtype here
+            k = tl.load(k_ptrs + kv_head * stride_kh + offs_d[None, :], mask=mask_kv, other=0.0).to(q.dtype)  # [N, D]
             # "ieee" keeps fp32 inputs exact on tensor-core GPUs (default tf32 drops mantissa bits);
             # half-precision inputs ignore it.
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, N] fp32
@@ -150,7 +151,7 @@ if HAS_TRITON:
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])  # [M, N]
             v_ptrs = V_cache + block.to(tl.int64)[:, None] * stride_vb + offset[:, None] * stride_vs
-            v = tl.load(v_ptrs + kv_head * stride_vh + offs_d[None, :], mask=mask_kv, other=0.0)  # [N, D]
+            v = tl.load(v_ptrs + kv_head * stride_vh + offs_d[None, :], mask=mask_kv, other=0.0).to(q.dtype)  # [N, D]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new

@@ -5,7 +5,7 @@ Attention layer reads it from there (no set/reset pairs, no metadata threaded th
 
 KV-cache layout, per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
 Token slot s lives at block s // block_size, offset s % block_size. The cache holds the model's dtype,
-or float8 e5m2 with kv_cache_dtype=fp8_e5m2 (CPU): keys and values are rounded once, when written,
+or float8 e5m2 with kv_cache_dtype=fp8_e5m2: keys and values are rounded once, when written,
 and every attention of the step (a fresh prompt's over its own keys too) sees them as stored.
 """
 
@@ -109,6 +109,8 @@ def write_kv_cache(
     """
     if k.device.type == "cpu" and cpu_ops.write_kv(k, v, k_cache, v_cache, slot_mapping):
         return
+    if k_cache.element_size() == 1:  # float8: a byte copy, as index_copy_ lacks float8 kernels on some devices
+        k, v, k_cache, v_cache = (t.view(torch.uint8) for t in (k, v, k_cache, v_cache))
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)

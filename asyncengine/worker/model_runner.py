@@ -17,7 +17,6 @@ from torch import nn
 
 from asyncengine.config import EngineConfig
 from asyncengine.cuda.graph_runner import GraphRunner, ModelInputs
-from asyncengine.errors import ConfigError
 from asyncengine.layers import cpu_gemm
 from asyncengine.layers.attention import Attention, AttentionMetadata, forward_context
 from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
@@ -58,8 +57,6 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.kv_dtype = torch.float8_e5m2 if config.kv_cache_dtype == "fp8_e5m2" else dtype
-        if self.kv_dtype != dtype and device.type != "cpu":
-            raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype} is implemented for CPU workers only")
         self.block_size = config.block_size
         self.model: nn.Module = load_model(config.model, parallel, dtype, device, progress=progress)
         if device.type == "cpu":

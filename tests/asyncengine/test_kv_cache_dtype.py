@@ -45,8 +45,6 @@ def test_bad_kv_cache_dtype_is_a_config_error(tiny_model_factory) -> None:
     model = tiny_model_factory("llama")
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         EngineConfig(model=str(model), kv_cache_dtype="int4")
-    with pytest.raises(ConfigError, match="CPU workers only"):
-        EngineConfig(model=str(model), kv_cache_dtype="fp8_e5m2", device="cuda")
 
 
 @pytest.mark.slow
@@ -64,3 +62,24 @@ def test_fp8_cache_sharded_matches_single_worker(pp, tp, tiny_model_factory, llm
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         llm.shutdown()
     assert outs[0] == outs[1]
+
+
+def test_fp8_cache_write_without_the_c_op() -> None:
+    """The index_copy_ path (GPUs, or ASYNCENGINE_CPU_OPS=0) writes float8 K/V as bytes, like the C copy."""
+    from asyncengine.layers import cpu_ops
+    from asyncengine.layers.attention import write_kv_cache
+
+    e5m2 = torch.float8_e5m2
+    k, v = torch.randn(5, 2, 8).to(e5m2), torch.randn(5, 2, 8).to(e5m2)
+    slots = torch.tensor([3, 17, 0, 9, 30])
+    caches = []
+    for use_c in (True, False):
+        kc, vc = torch.zeros(4, 8, 2, 8, dtype=e5m2), torch.zeros(4, 8, 2, 8, dtype=e5m2)
+        if use_c:
+            write_kv_cache(k, v, kc, vc, slots)
+        else:
+            with cpu_ops.disabled():
+                write_kv_cache(k, v, kc, vc, slots)
+        caches.append((kc.view(torch.uint8), vc.view(torch.uint8)))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert torch.equal(caches[1][0].view(e5m2).view(-1, 2, 8)[slots].view(torch.uint8), k.view(torch.uint8))

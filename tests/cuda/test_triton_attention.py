@@ -208,3 +208,21 @@ def test_module_imports_without_triton(monkeypatch):
             torch.ones(1, dtype=torch.int32),
             1.0,
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_cache(kernels, dtype):
+    """kv_cache_dtype=fp8_e5m2: both kernels widen float8 e5m2 K/V as they load them."""
+    q, k, v, k_cache, v_cache, meta = make_batch([5, 1, 1], [21, 9, 40], 1, 2, 64, 16, dtype=dtype, seed=7)
+    e5m2 = torch.float8_e5m2
+    k_cache, v_cache = k_cache.to(e5m2), v_cache.to(e5m2)
+    k, v = k.to(e5m2).to(dtype), v.to(e5m2).to(dtype)  # what the Attention layer hands the backend
+    expected = reference(q.float(), k.float(), v.float(), k_cache, v_cache, meta)
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    out = kernels.paged_attention_prefill(
+        q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len, SCALE
+    )
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    rows = meta.query_start_loc[1:] - 1  # each sequence's last row, as a decode step over its context
+    out = kernels.paged_attention_decode(q[rows.long()], k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE)
+    torch.testing.assert_close(out.float(), expected[rows.long()], atol=tol, rtol=tol)
