@@ -143,11 +143,10 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.k_cache.numel():
-            if self.k_cache.dtype != k.dtype:  # a float8 cache
-                k, v = k.to(self.k_cache.dtype), v.to(self.k_cache.dtype)
-                write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            else:
-                write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            # a float8 cache rounds K/V here, once; the attention below then sees them as stored
+            # (.to() to the dtype a tensor already has returns it, uncopied)
+            k, v = k.to(self.k_cache.dtype), v.to(self.k_cache.dtype)
+            write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            k, v = k.to(q.dtype), v.to(q.dtype)
         out = get_attention_backend().forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -1,12 +1,15 @@
-/* Helpers shared by the CPU kernels in this directory: bfloat16 <-> float32, float8 e5m2 -> float32 and, with AVX-512,
- * 16-lane masks, bf16 loads and a polynomial exp. Included by paged_attention.c and cpu_ops.c;
- * asyncengine/layers/csrc_build.py hashes this file into both libraries' cache keys. */
+/* Helpers shared by the CPU kernels in this directory: float32 / bfloat16 / float8 e5m2 loads as float32,
+ * float32 -> bfloat16 and, with AVX-512, 16-lane masks and loads and a polynomial exp. Included by
+ * paged_attention.c and cpu_ops.c; asyncengine/layers/csrc_build.py hashes this file into both
+ * libraries' cache keys. */
 #ifndef ASYNCENGINE_CPU_COMMON_H
 #define ASYNCENGINE_CPU_COMMON_H
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+static inline float load_f32(float x) { return x; }
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = ((uint32_t)x) << 16;
@@ -41,6 +44,9 @@ static inline float e5m2_to_f32(uint8_t b) {
 #define HAVE_AVX512 1
 
 static inline __mmask16 mask_upto(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+/* 16 float32 values, zero where the mask is off. */
+static inline __m512 load16_f32(const float *p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
 
 /* 16 bf16 values (zero where the mask is off) widened to float32 in registers: a 16-bit shift. */
 static inline __m512 load16_bf16(const uint16_t *p, __mmask16 mk) {

@@ -12,7 +12,6 @@
 
 #define PAR_MIN 32768 /* elements below which waking threads costs more than it saves */
 
-static inline float load_f32(float x) { return x; }
 static inline float store_f32(float x) { return x; }
 static inline float round_f32(float x) { return x; }
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
@@ -124,8 +123,6 @@ DEFINE_SILU(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 /* out[r] = the first index of row r's maximum, or of its first NaN: what torch's max(dim).indices
  * returns. Reads bf16 logits as they are (no float32 copy of [rows, vocab] first). */
 #ifdef HAVE_AVX512
-static inline __m512 load16_f32v(const float *p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
-
 /* Each lane keeps its first maximum (strict >) and where it was; the answer is the smallest position
  * among the lanes that hold the row's maximum. */
 #define DEFINE_ARGMAX(SUF, T, LOAD, LOAD16)                                                             \
@@ -155,7 +152,7 @@ void argmax_rows_##SUF(const T *x, long x_stride, int rows, int cols, int64_t *o
         }                                                                                               \
     }                                                                                                   \
 }
-DEFINE_ARGMAX(f32, float, load_f32, load16_f32v)
+DEFINE_ARGMAX(f32, float, load_f32, load16_f32)
 DEFINE_ARGMAX(bf16, uint16_t, bf16_to_f32, load16_bf16)
 #else
 #define DEFINE_ARGMAX(SUF, T, LOAD)                                                                     \

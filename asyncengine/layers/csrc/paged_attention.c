@@ -105,10 +105,7 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
 
 #ifdef HAVE_AVX512
 
-/* 16 cache elements as float32 (zero past head_dim); load16_bf16 (cpu_common.h) widens bf16. */
-static inline __m512 load16_f32(const float *p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
-
-static inline float load_f32(float x) { return x; }
+/* load16_f32 / load16_bf16 / load16_e5m2 (cpu_common.h): 16 cache elements as float32, zero past head_dim. */
 static inline void store_f32(float *p, float x) { *p = x; }
 static inline void store_bf16(uint16_t *p, float x) { *p = f32_to_bf16(x); }
 
