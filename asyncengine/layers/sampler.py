@@ -61,7 +61,7 @@ class Sampler:
         vocab = logits.shape[-1]
         for i, row in enumerate(rows):
             opt = row.options
-            if opt.min_tokens and row.num_output_tokens < opt.min_tokens and opt.min_tokens_banned_ids:
+            if _bans_stop_tokens(row):
                 banned = [t for t in opt.min_tokens_banned_ids if t < vocab]
                 logits[i, banned] = float("-inf")
             if opt.repetition_penalty != 1.0:
@@ -70,7 +70,7 @@ class Sampler:
                 picked = logits[i, ids]
                 logits[i, ids] = torch.where(picked > 0, picked / opt.repetition_penalty,
                                              picked * opt.repetition_penalty)
-            if (opt.presence_penalty or opt.frequency_penalty) and row.output_counts:
+            if _counts_penalized(row):
                 ids = torch.tensor(list(row.output_counts), dtype=torch.long, device=logits.device)
                 counts = torch.tensor(list(row.output_counts.values()), dtype=logits.dtype, device=logits.device)
                 keep = ids < vocab
@@ -131,12 +131,21 @@ class Sampler:
         return out
 
 
+def _bans_stop_tokens(row: SamplingRow) -> bool:
+    """min_tokens not reached yet: EOS and the stop token ids must not be sampled."""
+    opt = row.options
+    return bool(opt.min_tokens and row.num_output_tokens < opt.min_tokens and opt.min_tokens_banned_ids)
+
+
+def _counts_penalized(row: SamplingRow) -> bool:
+    """A presence or frequency penalty, and output tokens for it to count."""
+    opt = row.options
+    return bool((opt.presence_penalty or opt.frequency_penalty) and row.output_counts)
+
+
 def _penalized(row: SamplingRow) -> bool:
     """Whether _apply_penalties would change this row's logits."""
-    opt = row.options
-    return bool((opt.min_tokens and row.num_output_tokens < opt.min_tokens and opt.min_tokens_banned_ids)
-                or opt.repetition_penalty != 1.0
-                or ((opt.presence_penalty or opt.frequency_penalty) and row.output_counts))
+    return _bans_stop_tokens(row) or row.options.repetition_penalty != 1.0 or _counts_penalized(row)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N]

@@ -144,3 +144,51 @@ def test_fp8_widening_is_exact(dtype) -> None:
     for lib in (load_kernel_library(), load_kernel_library(portable=True)):
         got = CpuAttentionBackend(lib).forward(q, k, v, kc, vc, meta, 0.1)
         assert torch.equal(got[0].float(), vc[1, 0].float())
+
+
+def share_prefix(tables: torch.Tensor, members: list[int], num_blocks: int) -> None:
+    """Points sequences `members[1:]` at the first `num_blocks` cache blocks of members[0], as prefix caching
+    does for requests with a common prompt (their own first blocks then hold nothing they read)."""
+    for i in members[1:]:
+        tables[i, :num_blocks] = tables[members[0], :num_blocks]
+
+
+def unshare(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor):
+    """The same batch with every table entry on a block of its own: copies of the shared blocks."""
+    entries = tables.flatten().tolist()
+    fresh = torch.arange(len(entries), dtype=torch.int32).view_as(tables)
+    return k_cache[entries].clone(), v_cache[entries].clone(), fresh
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_dim", [((4, 4), 64), ((8, 2), 80), ((12, 12), 64)])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_shared_prefix_blocks_change_no_bit(dtype, heads, head_dim, num_threads) -> None:
+    """Prefix caching points many sequences at the same physical blocks: the kernel must give, bit for
+    bit, what it gives on the same batch with the shared blocks copied per sequence, and match the
+    reference, whatever the thread count (the work split into head runs depends on it). Covers groups
+    with different shared lengths, a sequence that shares less than the others, one too short to share a
+    whole block, a multi-row chunk and a fresh prefill left to SDPA."""
+    num_heads, num_kv_heads = heads
+    query_lens = [1] * 40 + [5, 20, 1, 1]
+    context_lens = [100 + 7 * i for i in range(40)] + [40, 0, 9, 70]
+    q, k, v, kc, vc, meta = build_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype)
+    share_prefix(meta.block_tables, list(range(0, 30)), 4)  # a 64-token prefix common to 30 requests
+    share_prefix(meta.block_tables, [0, 30, 31], 2)  # two more that share only its first 32 tokens
+    share_prefix(meta.block_tables, [32, 33, 34, 35], 6)  # another prompt, 96 tokens, four requests
+    share_prefix(meta.block_tables, [32, 43], 3)
+    share_prefix(meta.block_tables, [36, 42], 1)  # 42 has 10 keys: no whole block to share
+    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, 0.1)
+    kc2, vc2, tables2 = unshare(kc, vc, meta.block_tables)
+    meta2 = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, tables2, meta.query_lens_cpu,
+                              meta.seq_lens_cpu, meta.max_query_len, meta.max_seq_len)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        got = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.1)
+        alone = CpuAttentionBackend().forward(q, k, v, kc2, vc2, meta2, 0.1)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(got, alone)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
