@@ -49,6 +49,14 @@ class EngineConfig:
     async_scheduling: bool = field(
         default=True, metadata={"help": "schedule step N+1 while step N runs (single pipeline stage)"}
     )
+    num_speculative_tokens: int = field(default=0, metadata={
+        "help": "speculative decoding: draft tokens per step from n-gram prompt lookup, verified in the same "
+                "step (0: off; greedy requests only; turns async scheduling off)"})
+    prompt_lookup_max: int = field(default=3, metadata={"help": "longest n-gram the drafts are looked up by"})
+    prompt_lookup_min: int = field(default=1, metadata={"help": "shortest n-gram the drafts are looked up by"})
+    spec_token_budget: int = field(default=128, metadata={
+        "help": "rows a step verifies (one per decoding sequence plus drafts) beyond which drafts are cut: "
+                "each sequence gets min(num_speculative_tokens, (budget - sequences) // sequences); 0: no limit"})
     step_timeout: float = field(default=60.0, metadata={"help": "seconds a step may take before workers are dead"})
     num_threads: int | None = field(default=None, metadata={"help": "torch threads per CPU worker"})
     nnodes: int = field(default=1, metadata={
@@ -87,6 +95,13 @@ class EngineConfig:
             raise ConfigError("nnodes > 1 needs head_port and key_file")
         if self.head_port is not None and not 0 < self.head_port < 65535:
             raise ConfigError(f"head_port must be in [1, 65534] (results use head_port + 1), got {self.head_port}")
+        if self.spec_token_budget < 0:
+            raise ConfigError(f"spec_token_budget must be >= 0, got {self.spec_token_budget}")
+        if self.num_speculative_tokens < 0:
+            raise ConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if not Path(self.model).is_dir():
@@ -95,6 +110,12 @@ class EngineConfig:
     @property
     def world_size(self) -> int:
         return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    @property
+    def run_ahead(self) -> bool:
+        """Async scheduling in effect: a sequence's next step is scheduled before its token is known, which
+        needs a single stage (the worker appends its own sample) and no drafts to verify first."""
+        return self.async_scheduling and self.pipeline_parallel_size == 1 and not self.num_speculative_tokens
 
     @property
     def nproc_per_node(self) -> int:

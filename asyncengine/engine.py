@@ -26,6 +26,7 @@ from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from asyncengine.sequence import Sequence
+from asyncengine.spec_decode import NgramProposer
 from asyncengine.stats import EngineStats
 from asyncengine.tokenizer import eos_token_ids, load_tokenizer
 from asyncengine.transport.wire import (
@@ -76,7 +77,7 @@ class AsyncEngine:
         self._in_flight: deque[InFlight] = deque()
         # P batches fill a P-stage pipeline; with one stage, async scheduling keeps a second batch
         # queued so the worker never waits for the engine to process the last step's output
-        self.run_ahead = config.async_scheduling and config.pipeline_parallel_size == 1
+        self.run_ahead = config.run_ahead
         self.max_in_flight = 2 if self.run_ahead else config.pipeline_parallel_size
         self.dead: EngineDeadError | None = None
         self.closing = False
@@ -99,9 +100,13 @@ class AsyncEngine:
                               f"of max_model_len={engine.max_model_len} needs {needed}: raise the KV memory or "
                               "lower max_model_len")
         bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        proposer = None
+        if config.num_speculative_tokens:
+            proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         engine.scheduler = sched = Scheduler(bm, config.max_num_seqs, config.max_num_batched_tokens,
                                              engine.max_model_len, num_batches=config.pipeline_parallel_size,
-                                             run_ahead=engine.run_ahead)
+                                             run_ahead=engine.run_ahead, proposer=proposer,
+                                             spec_token_budget=config.spec_token_budget)
         engine.stats.bind_scheduler(lambda: len(sched.running), lambda: len(sched.waiting), lambda: bm.usage,
                                     lambda: bm.num_free_blocks)
         engine._loop_task = asyncio.create_task(engine._run(), name="asyncengine-loop")
@@ -280,8 +285,11 @@ class AsyncEngine:
                 new_items.append(item)
                 seq.on_workers = True
             else:
-                cached.append(CachedSeq(seq.seq_id, num, seq.token_ids[seq.num_tokens_on_workers :],
-                                        seq.block_ids[seq.num_blocks_on_workers :]))
+                drafts = seq.draft_token_ids
+                cached.append(CachedSeq(seq.seq_id, num, seq.token_ids[seq.num_tokens_on_workers :] + drafts,
+                                        seq.block_ids[seq.num_blocks_on_workers :], seq.num_rejected_on_workers,
+                                        len(drafts)))
+                seq.num_rejected_on_workers = len(drafts)  # until the output says how many were accepted
                 cached_items.append(item)
             seq.num_tokens_on_workers = max(seq.num_tokens_on_workers, seq.num_tokens)
             seq.num_blocks_on_workers = len(seq.block_ids)
@@ -317,11 +325,23 @@ class AsyncEngine:
         touched: dict[str, RequestState] = {}
         k = 0
         for seq, num, sampled in step.sched.scheduled:
-            self.scheduler.on_step_done(seq, num, sampled)
+            drafts, seq.draft_token_ids = seq.draft_token_ids, []
             if sampled:
-                token = tokens[k]
+                # with drafts: one token after each, kept up to and including the first that is not the
+                # next draft (every kept token is then the model's own pick after the tokens before it)
+                sampled_ids = tokens[k : k + 1 + len(drafts)]
                 lp = output.logprobs[k] if output.logprobs else None
-                k += 1
+                k += 1 + len(drafts)
+                accepted = 0
+                while accepted < len(drafts) and sampled_ids[accepted] == drafts[accepted]:
+                    accepted += 1
+                if drafts:
+                    seq.num_rejected_on_workers = len(drafts) - accepted
+                    seq.num_tokens_on_workers = seq.num_tokens + accepted  # its kept drafts = our next tokens
+                    self.stats.on_drafts(len(drafts), accepted)
+                self.scheduler.on_step_done(seq, num, sampled, len(drafts) - accepted)
+            else:
+                self.scheduler.on_step_done(seq, num, sampled)
             state = self.seq_owner.get(seq.seq_id)
             if seq.aborted or seq.finish_reason is not None or state is None or state.done:
                 # finished or aborted while this step ran (async scheduling runs one step past a stop)
@@ -330,18 +350,21 @@ class AsyncEngine:
                 continue
             if not sampled:
                 continue
-            self.output_processor.append_token(seq, token, lp)
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-                self.stats.on_first_token(state, now)
-            else:
-                self.stats.on_token(state, now)
+            for i, token in enumerate(sampled_ids[: accepted + 1]):
+                self.output_processor.append_token(seq, token, lp if i == 0 else None)
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                    self.stats.on_first_token(state, now)
+                else:
+                    self.stats.on_token(state, now)
+                if seq.finish_reason is not None:  # a stop inside the accepted drafts ends it there
+                    break
             state.metrics.last_token_time = now
             if seq.finish_reason is not None:
                 self._release(seq)
             touched[state.request_id] = state
         if k != len(tokens):
-            raise EngineDeadError(f"step {step.step_id}: {len(tokens)} tokens for {k} sampling sequences")
+            raise EngineDeadError(f"step {step.step_id}: {len(tokens)} tokens where {k} were sampled")
         self.stats.on_step_done(step.sched, now - step.sent_at, output.execute_us)
         for state in touched.values():
             if state.all_finished:

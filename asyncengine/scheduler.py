@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from asyncengine.block_manager import BlockManager
 from asyncengine.sequence import Sequence, SequenceStatus
+from asyncengine.spec_decode import NgramProposer
 
 
 class ScheduledSeq(NamedTuple):
@@ -35,12 +36,16 @@ class SchedulerOutput(NamedTuple):
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, num_batches: int = 1, run_ahead: bool = False) -> None:
+                 max_model_len: int, num_batches: int = 1, run_ahead: bool = False,
+                 proposer: NgramProposer | None = None, spec_token_budget: int = 0) -> None:
         self.block_manager = block_manager
         self.num_batches = num_batches  # batches in flight at once (the pipeline depth)
         # async scheduling: a decoding sequence may be scheduled again while its previous step runs;
         # the worker feeds it the token it sampled itself (single pipeline stage only)
         self.run_ahead = run_ahead
+        self.proposer = proposer  # speculative decoding: drafts for decoding sequences (never with run_ahead)
+        self.spec_token_budget = spec_token_budget  # see _drafts_per_seq; 0: no limit
+        assert not (run_ahead and proposer), "a step with drafts must be verified before the next is scheduled"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -77,6 +82,7 @@ class Scheduler:
         preempted = 0
         bm = self.block_manager
         max_seqs = self._batch_seq_limit()
+        drafts_per_seq = self._drafts_per_seq(min(len(self.running), max_seqs))
 
         # 1. running sequences, oldest first: a decode token each, or the next chunk of their prompt
         for seq in list(self.running):
@@ -89,6 +95,8 @@ class Scheduler:
             num = min(seq.num_uncomputed_tokens, budget)
             if num == 0:
                 continue
+            seq.draft_token_ids = self._drafts(seq, budget, drafts_per_seq) if num == 1 and seq.on_workers else []
+            num += len(seq.draft_token_ids)
             fits = True
             while fits and not bm.allocate(seq, seq.num_computed_tokens + seq.num_inflight_tokens + num):
                 victim = self._preemption_victim(scheduled)
@@ -99,8 +107,9 @@ class Scheduler:
                 preempted += 1
                 fits = victim is not seq
             if not fits:
+                seq.draft_token_ids = []
                 continue
-            scheduled.append(self._scheduled(seq, num))
+            scheduled.append(ScheduledSeq(seq, num, True) if seq.draft_token_ids else self._scheduled(seq, num))
             budget -= num
             # shareable as soon as scheduled, even by the waiting sequences below (see register_full_blocks)
             bm.register_full_blocks(seq, seq.num_computed_tokens + seq.num_inflight_tokens + num)
@@ -135,6 +144,25 @@ class Scheduler:
     @staticmethod
     def _scheduled(seq: Sequence, num: int) -> ScheduledSeq:
         return ScheduledSeq(seq, num, num == seq.num_uncomputed_tokens)
+
+    def _drafts_per_seq(self, num_seqs: int) -> int:
+        """Drafts a decoding sequence may get this step: num_speculative_tokens, or fewer where the
+        step's rows (one per sequence plus the drafts) would pass spec_token_budget. Verifying a draft
+        costs a row of every GEMM; where the batch already keeps the GEMMs compute-bound, the steps a
+        draft saves (weight and K/V reads) no longer pay for it."""
+        if self.proposer is None:
+            return 0
+        if not self.spec_token_budget:
+            return self.proposer.k
+        return min(self.proposer.k, max(0, self.spec_token_budget - num_seqs) // max(num_seqs, 1))
+
+    def _drafts(self, seq: Sequence, budget: int, per_seq: int) -> list[int]:
+        """Draft tokens for a decoding sequence: none past max_tokens or max_model_len (the step samples
+        one token more than it has drafts) or past this batch's token budget."""
+        if not per_seq or self.proposer is None or not self.proposer.eligible(seq):
+            return []
+        limit = min(budget, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        return self.proposer.propose(seq, min(limit, per_seq))
 
     def _may_run_ahead(self, seq: Sequence) -> bool:
         """A sequence in flight may be scheduled again only for the token its running step samples,
@@ -172,11 +200,13 @@ class Scheduler:
             seq.on_workers = False
             seq.num_tokens_on_workers = 0
             seq.num_blocks_on_workers = 0
+            seq.num_rejected_on_workers = 0
 
-    def on_step_done(self, seq: Sequence, num_tokens: int, samples: bool) -> None:
-        """The KV of `num_tokens` more tokens of seq is now in the cache."""
+    def on_step_done(self, seq: Sequence, num_tokens: int, samples: bool, num_rejected: int = 0) -> None:
+        """The KV of `num_tokens` more tokens of seq is now in the cache, of which the last `num_rejected`
+        (drafts the model disagreed with) do not count."""
         seq.num_inflight_steps -= 1
         seq.num_inflight_tokens -= num_tokens
         seq.num_pending_samples -= samples
-        seq.num_computed_tokens += num_tokens
+        seq.num_computed_tokens += num_tokens - num_rejected
         self.block_manager.register_computed(seq)

@@ -9,6 +9,7 @@ from asyncengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from asyncengine.detokenizer import IncrementalDetokenizer
+    from asyncengine.spec_decode import NgramIndex
 
 
 class SequenceStatus(enum.IntEnum):
@@ -39,6 +40,11 @@ class Sequence:
         self.on_workers = False  # the workers hold its state, so steps carry only diffs
         self.num_tokens_on_workers = 0
         self.num_blocks_on_workers = 0
+        # speculative decoding: the drafts its step in flight verifies; drafts the workers still hold
+        # that the model rejected (dropped with its next step); its n-gram index (spec_decode.py)
+        self.draft_token_ids: list[int] = []
+        self.num_rejected_on_workers = 0
+        self.ngram_index: NgramIndex | None = None
         self.aborted = False
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -40,6 +40,10 @@ class EngineStats:
         self.steps = Counter("asyncengine:engine_steps", "Steps sent to the workers", registry=r)
         self.step_bytes = Counter("asyncengine:execute_model_request_bytes", "Bytes of ExecuteModelRequests",
                                   registry=r)
+        self.draft_tokens = Counter("asyncengine:spec_decode_num_draft_tokens", "Draft tokens proposed",
+                                    registry=r)
+        self.accepted_tokens = Counter("asyncengine:spec_decode_num_accepted_tokens",
+                                       "Draft tokens the model agreed with", registry=r)
         self.last_token_time: dict[int, float] = {}
         self.step_latencies: list[float] = []  # engine-observed step round trips (bounded)
 
@@ -67,6 +71,10 @@ class EngineStats:
         self.request_success.labels(finished_reason=reason).inc()
         if state.metrics.finished_time is not None:
             self.e2e.observe(state.metrics.finished_time - state.metrics.arrival_time)
+
+    def on_drafts(self, proposed: int, accepted: int) -> None:
+        self.draft_tokens.inc(proposed)
+        self.accepted_tokens.inc(accepted)
 
     def on_step_sent(self, sched: SchedulerOutput, nbytes: int) -> None:
         self.steps.inc()

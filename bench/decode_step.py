@@ -67,13 +67,13 @@ def measure(model: Path, dtype: str, kv_dtype: str, batch: int, context: int, st
     chunk = max(1, 2048 // context)
     for i in range(0, batch, chunk):
         group = seqs[i:i + chunk]
-        out = runner.execute_model(runner.prepare_model_input(StepBatch(0, group, [context] * len(group))), None)
+        out = runner.execute_model(runner.prepare_model_input(StepBatch(0, group, [context] * len(group), [0] * len(group))), None)
         for s, t in zip(group, out.token_ids):
             s.num_computed_tokens = context
             s.token_ids.append(t)
 
     def step(k: int) -> None:
-        out = runner.execute_model(runner.prepare_model_input(StepBatch(k, seqs, [1] * batch)), None)
+        out = runner.execute_model(runner.prepare_model_input(StepBatch(k, seqs, [1] * batch, [0] * batch)), None)
         for s, t in zip(seqs, out.token_ids):
             s.num_computed_tokens += 1
             s.token_ids.append(t)

@@ -67,14 +67,14 @@ def decode_throughput(model_dir: Path, batch: int, eager: bool, steps: int, devi
         prompt = [rng.randrange(runner.model.config.vocab_size) for _ in range(128)]
         seqs.append(SeqState(i, prompt, len(prompt), list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 0,
                              SamplingOptions(temperature=0.0)))
-    first = runner.execute_model(runner.prepare_model_input(StepBatch(0, seqs, [128] * batch)), None)
+    first = runner.execute_model(runner.prepare_model_input(StepBatch(0, seqs, [128] * batch, [0] * batch)), None)
     for s, t in zip(seqs, first.token_ids):  # the prefill's sampled token is the first decode input
         s.num_computed_tokens = 128
         s.token_ids.append(t)
     sync()
     start = time.perf_counter()
     for step in range(steps):
-        out = runner.execute_model(runner.prepare_model_input(StepBatch(step + 1, seqs, [1] * batch)), None)
+        out = runner.execute_model(runner.prepare_model_input(StepBatch(step + 1, seqs, [1] * batch, [0] * batch)), None)
         for s, t in zip(seqs, out.token_ids):
             s.num_computed_tokens += 1
             s.token_ids.append(t)

@@ -36,6 +36,9 @@ tokens all equal HF's; bfloat16 diverges for every engine: near-tied logits of a
 --kv-cache-dtype fp8_e5m2 stores K/V as float8 e5m2 in asyncengine and in vLLM alike (HF keeps the
 model's dtype, so agreement with HF falls further): the comparison for a user who trades K/V precision
 for half the KV bytes.
+--num-speculative-tokens K turns on speculative decoding with n-gram prompt lookup (drafts from each
+sequence's own history, verified in the same step; greedy output unchanged) in asyncengine and, with the
+same settings (speculative_config method "ngram", prompt_lookup_min 1, max 3), in vLLM.
 `--resume` keeps the configs already in --out (written after each config) and recomputes their FLOPs.
 Writes bench/out/throughput.json and bench/out/throughput.png.
 """
@@ -89,7 +92,7 @@ def run_asyncengine(model: Path, dtype: str, wl: Workload, args: argparse.Namesp
     llm = LLM(model=str(model), dtype=dtype, num_threads=args.threads, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_bytes=int(args.kv_gib * 2**30), max_model_len=MAX_MODEL_LEN,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, num_speculative_tokens=args.num_speculative_tokens)
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
         warm = [[5 + i] * 24 for i in range(4)]
@@ -152,7 +155,8 @@ def run_vllm(model: Path, dtype: str, wl: Workload, args: argparse.Namespace, bi
                                    "output_lens": wl.output_lens, "max_num_seqs": args.max_num_seqs,
                                    "max_num_batched_tokens": args.max_num_batched_tokens,
                                    "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": True,
-                                   "kv_cache_dtype": args.kv_cache_dtype}))
+                                   "kv_cache_dtype": args.kv_cache_dtype,
+                                   "num_speculative_tokens": args.num_speculative_tokens}))
         env = vllm_env(args.threads, bind, args.kv_gib)
         with open(log, "wb") as fh:
             proc = subprocess.Popen([str(VLLM_PYTHON), str(HERE / "vllm_runner.py"), "--workload", str(inp),
@@ -190,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-gib", type=float, default=4.0, help="KV-cache GiB for asyncengine and vLLM")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2"],
                    help="KV-cache dtype of asyncengine and vLLM (HF keeps the model's)")
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="n-gram speculative decoding in asyncengine and vLLM: draft tokens per step (0: off)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one engine run may take")
     p.add_argument("--quick", action="store_true", help="tiny model, float32, mixed, 16 requests, short outputs")
     p.add_argument("--resume", action="store_true",
@@ -306,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 RESUME_KEYS = ("num_requests", "seed", "threads", "engines", "max_num_seqs", "max_num_batched_tokens", "kv_gib",
-               "quick")
+               "quick", "kv_cache_dtype", "num_speculative_tokens")
 
 
 def args_json(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,7 +4,8 @@
     bench/vllm_venv/bin/python bench/vllm_runner.py --workload in.json --out out.json
 
 in.json: {"model", "dtype", "prompts": [[ids]], "output_lens": [n], "max_num_seqs", "max_num_batched_tokens",
-          "max_model_len", "enable_prefix_caching", "warmup": true, "kv_cache_dtype": "auto" | "fp8_e5m2"}
+          "max_model_len", "enable_prefix_caching", "warmup": true, "kv_cache_dtype": "auto" | "fp8_e5m2",
+          "num_speculative_tokens": 0 (or K: n-gram prompt lookup, lookup lengths 1-3)}
 out.json: {"seconds", "token_ids": [[ids]], "load_seconds", "vllm_version", "frontend_torch_threads"}
 
 Token-id prompts, skip_tokenizer_init=True (the random model directories have no tokenizer), greedy,
@@ -37,7 +38,10 @@ def main() -> int:
     llm = LLM(model=spec["model"], dtype=spec["dtype"], skip_tokenizer_init=True, seed=0,
               max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
               max_model_len=spec["max_model_len"], enable_prefix_caching=spec.get("enable_prefix_caching", True),
-              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
+              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
+              speculative_config=({"method": "ngram", "num_speculative_tokens": spec["num_speculative_tokens"],
+                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+                                  if spec.get("num_speculative_tokens") else None))
     load_s = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)

@@ -60,8 +60,10 @@ class CachedSeq(msgspec.Struct, **HOT):
 
     seq_id: int
     num_scheduled_tokens: int
-    new_token_ids: list[int] = []  # tokens appended since its last step (the one sampled then)
+    new_token_ids: list[int] = []  # tokens appended since its last step (the one sampled then), then drafts
     new_block_ids: list[int] = []
+    num_rejected: int = 0  # drop this many tokens (drafts the model rejected) before appending the new ones
+    num_draft_tokens: int = 0  # the last ones of new_token_ids are drafts: sample after each of them too
 
 
 class ExecuteModelRequest(msgspec.Struct, tag="step", **HOT):

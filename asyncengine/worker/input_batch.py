@@ -29,6 +29,16 @@ class SeqState:
             self.token_ids.append(t)
             self.output_counts[t] = self.output_counts.get(t, 0) + 1
 
+    def rollback(self, num: int) -> None:
+        """Forgets its last `num` tokens, computed drafts the model rejected (their K/V slots are
+        simply written again by the tokens that take their places)."""
+        for t in self.token_ids[-num:]:
+            self.output_counts[t] -= 1
+            if not self.output_counts[t]:
+                del self.output_counts[t]
+        del self.token_ids[-num:]
+        self.num_computed_tokens -= num
+
 
 @dataclass
 class StepBatch:
@@ -37,6 +47,7 @@ class StepBatch:
     step_id: int
     seqs: list[SeqState]
     num_scheduled: list[int]
+    num_drafts: list[int]  # of the scheduled tokens, the last ones that are drafts (speculative decoding)
 
     @property
     def num_tokens(self) -> int:
@@ -55,15 +66,18 @@ class InputBatch:
             self.seqs.pop(seq_id, None)
         seqs: list[SeqState] = []
         num_scheduled: list[int] = []
+        num_drafts: list[int] = []
         for new in req.new_seqs:
             state = self._add(new)
             seqs.append(state)
             num_scheduled.append(new.num_scheduled_tokens)
+            num_drafts.append(0)
         for diff in req.cached_seqs:
             state = self._apply(diff)
             seqs.append(state)
             num_scheduled.append(diff.num_scheduled_tokens)
-        return StepBatch(req.step_id, seqs, num_scheduled)
+            num_drafts.append(diff.num_draft_tokens)
+        return StepBatch(req.step_id, seqs, num_scheduled, num_drafts)
 
     def _add(self, new: NewSeq) -> SeqState:
         token_ids = unpack_ids(new.token_ids)
@@ -79,6 +93,8 @@ class InputBatch:
 
     def _apply(self, diff: CachedSeq) -> SeqState:
         state = self.seqs[diff.seq_id]
+        if diff.num_rejected:
+            state.rollback(diff.num_rejected)
         if diff.new_token_ids:
             state.append(diff.new_token_ids)
         if diff.new_block_ids:

@@ -134,7 +134,7 @@ class ModelRunner:
         sampling_seqs: list[SeqState] = []
         max_blocks = 1
         offset = 0
-        for state, num in zip(batch.seqs, batch.num_scheduled):
+        for state, num, drafts in zip(batch.seqs, batch.num_scheduled, batch.num_drafts):
             start, end = state.num_computed_tokens, state.num_computed_tokens + num
             ids.extend(state.token_ids[start:end])
             positions = np.arange(start, end, dtype=np.int64)
@@ -146,10 +146,13 @@ class ModelRunner:
             max_blocks = max(max_blocks, len(state.block_ids))
             offset += num
             if end == len(state.token_ids):  # the prompt is fully computed: this step samples a token
-                logits_indices.append(offset - 1)
-                rows.append(SamplingRow(state.sampling, state.generator, state.token_ids, state.output_counts,
-                                        state.num_output_tokens))
-                sampling_seqs.append(state)
+                # (and one after each draft, which the engine compares with the drafts: spec_decode.py)
+                row = SamplingRow(state.sampling, state.generator, state.token_ids, state.output_counts,
+                                  state.num_output_tokens)
+                for i in range(offset - 1 - drafts, offset):
+                    logits_indices.append(i)
+                    rows.append(row)
+                    sampling_seqs.append(state)
         tables = np.zeros((len(batch.seqs), max_blocks), dtype=np.int32)
         for i, state in enumerate(batch.seqs):
             tables[i, : len(state.block_ids)] = state.block_ids

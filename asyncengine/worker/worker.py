@@ -87,7 +87,7 @@ class Worker:
         self.vocab_size = int(getattr(hf_config, "vocab_size", 0))
         # async scheduling: the engine schedules a sequence's next step before it has seen this step's
         # token, so every rank of the (single) stage samples, identically, and appends it itself
-        self.appends_samples = config.async_scheduling and self.topology.pp_size == 1
+        self.appends_samples = config.run_ahead
 
     # -- start-up ---------------------------------------------------------------------------------
     def num_kv_blocks_that_fit(self) -> int:

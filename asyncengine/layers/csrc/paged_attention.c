@@ -111,9 +111,131 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
 static inline void store_f32(float *p, float x) { *p = x; }
 static inline void store_bf16(uint16_t *p, float x) { *p = f32_to_bf16(x); }
 
-/* One work item = one query row and a run of `per` KV heads (all of them when there are rows enough to
- * keep the threads busy): the keys of a cache block are then read as one contiguous stream. */
-#define DEFINE_AVX512_KERNEL(NAME, T, KT, QT, QLOAD, QDOT, KLOAD16, STORE)                                           \
+/* Rows that read the same leading cache blocks form a group: prefix caching hands one prompt's blocks to
+ * every request that starts with it, and the rows of a multi-token chunk share all of theirs. A group
+ * walks its shared blocks once, every row of it in turn on each block while the block is in L1/L2, so
+ * a 256-token prefix common to 50 decoding sequences is read from DRAM once a step instead of 50 times.
+ * Each row still takes its blocks in order with the same arithmetic: grouping changes no result bit. */
+typedef struct { int first, count, shared; } RowGroup; /* rows order[first .. first+count), `shared` blocks */
+
+static int cmp_u64(const void *a, const void *b) {
+    const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The kernel's rows (skipped sequences left out), grouped; returns the number of groups or -1 (no memory).
+ * row_seq / row_keys [num_rows]: each row's sequence and its number of keys. Rows with a full first block
+ * are sorted by that block id; a run of equal ones is cut into groups of at most max_group rows, each
+ * sharing the blocks all its rows' tables agree on (and that each of them reads whole). */
+static int group_rows(const int32_t *block_tables, const int32_t *query_start, const int32_t *seq_lens,
+                      const uint8_t *skip, int num_seqs, int max_blocks, int block_size, int max_group,
+                      int *row_seq, int *row_keys, int *order, RowGroup *groups) {
+    const int num_rows = query_start[num_seqs];
+    uint64_t *keys = (uint64_t *)malloc(sizeof(uint64_t) * (size_t)(num_rows > 0 ? num_rows : 1));
+    if (!keys) return -1;
+    int n_groups = 0, n_keyed = 0, n_order = 0;
+    for (int i = 0; i < num_seqs; i++) {
+        const int q_len = query_start[i + 1] - query_start[i];
+        for (int r = query_start[i]; r < query_start[i + 1]; r++) {
+            row_seq[r] = i;
+            row_keys[r] = seq_lens[i] - q_len + (r - query_start[i]) + 1;
+            if (skip && skip[i]) continue;
+            if (row_keys[r] >= block_size)
+                keys[n_keyed++] = ((uint64_t)(uint32_t)block_tables[(long)i * max_blocks] << 32) | (uint32_t)r;
+            else { /* nothing whole to share: a group of its own */
+                groups[n_groups++] = (RowGroup){n_order, 1, 0};
+                order[n_order++] = r;
+            }
+        }
+    }
+    qsort(keys, (size_t)n_keyed, sizeof(uint64_t), cmp_u64);
+    for (int a = 0; a < n_keyed;) {
+        int b = a + 1;
+        while (b < n_keyed && b - a < max_group && keys[b] >> 32 == keys[a] >> 32) b++;
+        const int r0 = (int)(uint32_t)keys[a];
+        const int32_t *t0 = block_tables + (long)row_seq[r0] * max_blocks;
+        int shared = row_keys[r0] / block_size;
+        for (int j = a + 1; j < b; j++) {
+            const int r = (int)(uint32_t)keys[j];
+            const int32_t *t = block_tables + (long)row_seq[r] * max_blocks;
+            int lim = row_keys[r] / block_size, c = 0;
+            if (lim > shared) lim = shared;
+            while (c < lim && t[c] == t0[c]) c++;
+            shared = c;
+        }
+        if (b - a > 1 && shared > 0) {
+            groups[n_groups++] = (RowGroup){n_order, b - a, shared};
+            for (int j = a; j < b; j++) order[n_order++] = (int)(uint32_t)keys[j];
+        } else
+            for (int j = a; j < b; j++) {
+                groups[n_groups++] = (RowGroup){n_order, 1, 0};
+                order[n_order++] = (int)(uint32_t)keys[j];
+            }
+        a = b;
+    }
+    free(keys);
+    return n_groups;
+}
+
+/* One row's heads over n keys of one cache block: scores = q.k (one horizontal add per key and head),
+ * online softmax, acc += p.v. kb/vb: the block's first key at the run's first KV head. k_next/v_next: a
+ * block to prefetch (or NULL): a random address the hardware prefetcher cannot guess; its rows are
+ * fetched one per key of this block, so the loads overlap with this block's math. */
+#define DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, KLOAD16)                                                           \
+static inline void NAME(const QT *qf, float *acc, float *m, float *s, float *scores, const KT *kb,       \
+                        const KT *vb, const KT *k_next, const KT *v_next, int n, int nkv, int group,      \
+                        int head_dim, int width, int qw, int sb, long kv_stride, float scale) {          \
+    const int hg = nkv * group;                                                                         \
+    for (int t = 0; t < n; t++) {                                                                       \
+        if (k_next)                                                                                     \
+            for (long b = 0; b < (long)nkv * head_dim * (long)sizeof(KT); b += 64) {                     \
+                _mm_prefetch((const char *)(k_next + t * kv_stride) + b, _MM_HINT_T0);                   \
+                _mm_prefetch((const char *)(v_next + t * kv_stride) + b, _MM_HINT_T0);                   \
+            }                                                                                           \
+        for (int x = 0; x < hg; x++) { /* x = local KV head * group + query head in its group */        \
+            const KT *kp = kb + t * kv_stride + (x / group) * head_dim;                                  \
+            scores[x * sb + t] = _mm512_reduce_add_ps(QDOT(qf + x * qw, kp, head_dim)) * scale;          \
+        }                                                                                               \
+    }                                                                                                   \
+    for (int x = 0; x < hg; x++) { /* online softmax over this block */                                 \
+        float *sc = scores + x * sb;                                                                    \
+        __m512 mx = _mm512_set1_ps(-INFINITY);                                                          \
+        for (int c = 0; c < n; c += 16) mx = _mm512_mask_max_ps(mx, mask_upto(n - c), mx, _mm512_loadu_ps(sc + c)); \
+        const float bm = _mm512_reduce_max_ps(mx);                                                      \
+        if (bm > m[x]) { /* rescale what was accumulated under the old maximum */                       \
+            const float c = m[x] == -INFINITY ? 0.f : expf(m[x] - bm);                                  \
+            s[x] *= c;                                                                                  \
+            for (int j = 0; j < width; j += 16)                                                         \
+                _mm512_store_ps(acc + x * width + j, _mm512_mul_ps(_mm512_load_ps(acc + x * width + j), _mm512_set1_ps(c))); \
+            m[x] = bm;                                                                                  \
+        }                                                                                               \
+        __m512 sum = _mm512_setzero_ps();                                                               \
+        const __m512 mv = _mm512_set1_ps(m[x]);                                                         \
+        for (int c = 0; c < n; c += 16) {                                                               \
+            const __mmask16 mk = mask_upto(n - c);                                                      \
+            const __m512 p = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + c), mv))); \
+            _mm512_mask_storeu_ps(sc + c, mk, p);                                                       \
+            sum = _mm512_add_ps(sum, p);                                                                \
+        }                                                                                               \
+        s[x] += _mm512_reduce_add_ps(sum);                                                              \
+    }                                                                                                   \
+    for (int x = 0; x < hg; x++) { /* acc += p . v, 16 dims in a register at a time */                  \
+        const float *sc = scores + x * sb;                                                              \
+        const KT *vh = vb + (x / group) * head_dim;                                                     \
+        for (int j = 0; j < width; j += 16) {                                                           \
+            const __mmask16 mk = mask_upto(head_dim - j);                                               \
+            __m512 a = _mm512_load_ps(acc + x * width + j);                                             \
+            for (int t = 0; t < n; t++) a = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), KLOAD16(vh + t * kv_stride + j, mk), a); \
+            _mm512_store_ps(acc + x * width + j, a);                                                    \
+        }                                                                                               \
+    }                                                                                                   \
+}
+
+/* One work item = one group of rows and a run of `per` KV heads: all the heads while there are items
+ * enough to keep the threads busy (the keys of a cache block are then one contiguous stream), fewer
+ * while the largest item would hold more than a quarter of a thread's share of the work. */
+#define DEFINE_AVX512_KERNEL(NAME, T, KT, QT, QLOAD, QDOT, KLOAD16, STORE)                               \
+DEFINE_AVX512_BLOCK(NAME##_block, QT, QDOT, KT, KLOAD16)                                                          \
 int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t *block_tables,             \
          const int32_t *query_start, const int32_t *seq_lens, const uint8_t *skip, int num_seqs,          \
          int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,      \
@@ -121,106 +243,94 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
     const int group = num_heads / num_kv_heads;                                                         \
     if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || group > MAX_GROUP) return -1;              \
     const int width = (head_dim + 15) / 16 * 16, sb = (block_size + 15) / 16 * 16;                      \
+    const int qw = width * (int)(sizeof(float) / sizeof(QT)); /* q [hg][qw] as QDOT takes it, in width floats */ \
     const int num_rows = query_start[num_seqs];                                                         \
-    int per = num_kv_heads; /* halve the head runs until there are ~4 items per thread */               \
-    while (per > 1 && (long)num_rows * ((num_kv_heads + per - 1) / per) < 4L * num_threads) per = (per + 1) / 2; \
+    if (num_rows <= 0) return 0;                                                                        \
+    int *ints = (int *)malloc(sizeof(int) * 3 * (size_t)num_rows);                                     \
+    RowGroup *groups = (RowGroup *)malloc(sizeof(RowGroup) * (size_t)num_rows);                         \
+    if (!ints || !groups) { free(ints); free(groups); return -2; }                                      \
+    int *row_seq = ints, *row_keys = ints + num_rows, *order = ints + 2 * num_rows;                     \
+    int active = 0; /* rows the kernel computes */                                                      \
+    for (int i = 0; i < num_seqs; i++) if (!(skip && skip[i])) active += query_start[i + 1] - query_start[i]; \
+    const long share = (long)active * num_kv_heads / (4L * num_threads); /* row-heads: a quarter of a thread's */ \
+    const int max_group = share / num_kv_heads > 2 ? (int)(share / num_kv_heads) : 2;                   \
+    const int num_groups = group_rows(block_tables, query_start, seq_lens, skip, num_seqs, max_blocks,  \
+                                      block_size, max_group, row_seq, row_keys, order, groups);         \
+    if (num_groups < 0) { free(ints); free(groups); return -2; }                                        \
+    int biggest = 1;                                                                                    \
+    for (int g = 0; g < num_groups; g++) if (groups[g].count > biggest) biggest = groups[g].count;       \
+    int per = num_kv_heads; /* halve the head runs while there are too few items or too big ones */     \
+    while (per > 1 && ((long)num_groups * ((num_kv_heads + per - 1) / per) < 4L * num_threads           \
+                       || (long)biggest * per > share)) per = (per + 1) / 2;                            \
     const int num_chunks = (num_kv_heads + per - 1) / per;                                              \
-    const long total = (long)num_rows * num_chunks, kv_stride = (long)num_kv_heads * head_dim;          \
+    const long total = (long)num_groups * num_chunks, kv_stride = (long)num_kv_heads * head_dim;        \
     const int max_hg = per * group;                                                                     \
+    /* one row's q, acc [hg][width]; m, s [hg]; rounded to 16 floats so every row's q and acc stay 64-byte aligned */ \
+    const size_t row_floats = ((size_t)max_hg * (2 * width + 2) + 15) / 16 * 16;                      \
     int failed = 0;                                                                                     \
     _Pragma("omp parallel num_threads(num_threads)")                                                    \
     {                                                                                                   \
-        /* per thread: q, acc [hg][width]; scores [hg][sb]; m, s [hg] */                                 \
-        const size_t floats = (size_t)max_hg * (2 * width + sb + 2);                                    \
+        /* per thread: the rows' state for the biggest group, then scores [hg][sb] */                    \
+        const size_t floats = row_floats * (size_t)biggest + (size_t)max_hg * sb;                       \
         float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);               \
         if (!buf) {                                                                                     \
             _Pragma("omp atomic write")                                                                 \
             failed = 1;                                                                                 \
         }                                                                                               \
-        QT *qf = (QT *)buf; /* [hg][qw]: the query as QDOT takes it, zero past head_dim */              \
-        const int qw = width * (int)(sizeof(float) / sizeof(QT));                                       \
-        float *acc = buf + max_hg * width, *scores = acc + max_hg * width;                              \
-        float *m = scores + max_hg * sb, *s = m + max_hg;                                               \
+        float *scores = buf + row_floats * (size_t)biggest;                                             \
         _Pragma("omp for schedule(dynamic, 1)")                                                         \
         for (long work = 0; work < total; work++) {                                                     \
             if (!buf) continue;                                                                         \
-            const int row = (int)(work / num_chunks), kv0 = (int)(work % num_chunks) * per;             \
+            const RowGroup gr = groups[work / num_chunks];                                              \
+            const int kv0 = (int)(work % num_chunks) * per;                                             \
             const int nkv = num_kv_heads - kv0 < per ? num_kv_heads - kv0 : per, hg = nkv * group;      \
-            int lo = 0, hi = num_seqs - 1; /* the sequence owning `row` */                              \
-            while (lo < hi) { int mid = (lo + hi + 1) / 2; if (query_start[mid] <= row) lo = mid; else hi = mid - 1; } \
-            const int i = lo;                                                                           \
-            if (skip && skip[i]) continue;                                                              \
-            const int q_len = query_start[i + 1] - query_start[i];                                      \
-            const int n_keys = seq_lens[i] - q_len + (row - query_start[i]) + 1;                        \
-            for (int x = 0; x < hg; x++) { /* x = local KV head * group + query head in its group */    \
-                const T *qp = q + ((long)row * num_heads + kv0 * group + x) * head_dim;                 \
-                for (int d = 0; d < qw; d++) qf[x * qw + d] = d < head_dim ? QLOAD(qp[d]) : (QT)0;      \
-                for (int d = 0; d < width; d++) acc[x * width + d] = 0.f;                               \
-                m[x] = -INFINITY; s[x] = 0.f;                                                           \
-            }                                                                                           \
-            const int32_t *table = block_tables + (long)i * max_blocks;                                 \
-            for (int start = 0; start < n_keys; start += block_size) {                                  \
-                const int n = n_keys - start < block_size ? n_keys - start : block_size;                \
-                const long base = ((long)table[start / block_size] * block_size * num_kv_heads + kv0) * head_dim; \
-                /* the next block: a random address the hardware prefetcher cannot guess; its rows are   \
-                   fetched one per key of this block, so the loads overlap with this block's math */      \
-                const long next = start + block_size < n_keys                                            \
-                    ? ((long)table[start / block_size + 1] * block_size * num_kv_heads + kv0) * head_dim : -1; \
-                const KT *kb = k_cache + base, *vb = v_cache + base; /* row t, local KV head h: + t * kv_stride + h * head_dim */ \
-                for (int t = 0; t < n; t++) { /* scores = q . k, one horizontal add per (key, head) */   \
-                    if (next >= 0)                                                                      \
-                        for (long b = 0; b < (long)nkv * head_dim * (long)sizeof(KT); b += 64) {         \
-                            _mm_prefetch((const char *)(k_cache + next + t * kv_stride) + b, _MM_HINT_T0); \
-                            _mm_prefetch((const char *)(v_cache + next + t * kv_stride) + b, _MM_HINT_T0); \
-                        }                                                                               \
-                    for (int x = 0; x < hg; x++) {                                                      \
-                        const KT *kp = kb + t * kv_stride + (x / group) * head_dim;                      \
-                        scores[x * sb + t] = _mm512_reduce_add_ps(QDOT(qf + x * qw, kp, head_dim)) * scale; \
-                    }                                                                                   \
-                }                                                                                       \
-                for (int x = 0; x < hg; x++) { /* online softmax over this block */                     \
-                    float *sc = scores + x * sb;                                                        \
-                    __m512 mx = _mm512_set1_ps(-INFINITY);                                              \
-                    for (int c = 0; c < n; c += 16)                                                     \
-                        mx = _mm512_mask_max_ps(mx, mask_upto(n - c), mx, _mm512_loadu_ps(sc + c));     \
-                    const float bm = _mm512_reduce_max_ps(mx);                                          \
-                    if (bm > m[x]) { /* rescale what was accumulated under the old maximum */           \
-                        const float c = m[x] == -INFINITY ? 0.f : expf(m[x] - bm);                      \
-                        s[x] *= c;                                                                      \
-                        for (int j = 0; j < width; j += 16)                                             \
-                            _mm512_store_ps(acc + x * width + j, _mm512_mul_ps(_mm512_load_ps(acc + x * width + j), _mm512_set1_ps(c))); \
-                        m[x] = bm;                                                                      \
-                    }                                                                                   \
-                    __m512 sum = _mm512_setzero_ps();                                                   \
-                    const __m512 mv = _mm512_set1_ps(m[x]);                                             \
-                    for (int c = 0; c < n; c += 16) {                                                   \
-                        const __mmask16 mk = mask_upto(n - c);                                          \
-                        const __m512 p = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + c), mv))); \
-                        _mm512_mask_storeu_ps(sc + c, mk, p);                                           \
-                        sum = _mm512_add_ps(sum, p);                                                    \
-                    }                                                                                   \
-                    s[x] += _mm512_reduce_add_ps(sum);                                                  \
-                }                                                                                       \
-                for (int x = 0; x < hg; x++) { /* acc += p . v, 16 dims in a register at a time */      \
-                    const float *sc = scores + x * sb;                                                  \
-                    const KT *vh = vb + (x / group) * head_dim;                                          \
-                    for (int j = 0; j < width; j += 16) {                                               \
-                        const __mmask16 mk = mask_upto(head_dim - j);                                   \
-                        __m512 a = _mm512_load_ps(acc + x * width + j);                                 \
-                        for (int t = 0; t < n; t++)                                                     \
-                            a = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), KLOAD16(vh + t * kv_stride + j, mk), a);\
-                        _mm512_store_ps(acc + x * width + j, a);                                        \
-                    }                                                                                   \
+            for (int j = 0; j < gr.count; j++) {                                                        \
+                const int row = order[gr.first + j];                                                    \
+                QT *qf = (QT *)(buf + row_floats * j); float *acc = buf + row_floats * j + max_hg * width, *m = acc + max_hg * width, *s = m + max_hg; \
+                for (int x = 0; x < hg; x++) {                                                          \
+                    const T *qp = q + ((long)row * num_heads + kv0 * group + x) * head_dim;             \
+                    for (int d = 0; d < qw; d++) qf[x * qw + d] = d < head_dim ? QLOAD(qp[d]) : (QT)0;  \
+                    for (int d = 0; d < width; d++) acc[x * width + d] = 0.f;                           \
+                    m[x] = -INFINITY; s[x] = 0.f;                                                       \
                 }                                                                                       \
             }                                                                                           \
-            for (int x = 0; x < hg; x++) {                                                              \
-                T *op = out + ((long)row * num_heads + kv0 * group + x) * head_dim;                     \
-                const float inv = s[x] > 0.f ? 1.f / s[x] : 0.f;                                        \
-                for (int d = 0; d < head_dim; d++) STORE(op + d, acc[x * width + d] * inv);             \
+            /* the shared blocks: each one read from memory once, by the group's first row */            \
+            const int32_t *t0 = block_tables + (long)row_seq[order[gr.first]] * max_blocks;             \
+            for (int b = 0; b < gr.shared; b++) {                                                       \
+                const long base = ((long)t0[b] * block_size * num_kv_heads + kv0) * head_dim;           \
+                const long next = b + 1 < gr.shared ? ((long)t0[b + 1] * block_size * num_kv_heads + kv0) * head_dim : -1; \
+                for (int j = 0; j < gr.count; j++) {                                                    \
+                    QT *qf = (QT *)(buf + row_floats * j); float *acc = buf + row_floats * j + max_hg * width, *m = acc + max_hg * width, *s = m + max_hg; \
+                    const int pf = j == 0 && next >= 0;                                                 \
+                    NAME##_block(qf, acc, m, s, scores, k_cache + base, v_cache + base,                 \
+                                 pf ? k_cache + next : NULL, pf ? v_cache + next : NULL, block_size, nkv, group, \
+                                 head_dim, width, qw, sb, kv_stride, scale);                            \
+                }                                                                                       \
+            }                                                                                           \
+            for (int j = 0; j < gr.count; j++) { /* each row's own blocks, then its output */           \
+                const int row = order[gr.first + j], n_keys = row_keys[row];                            \
+                QT *qf = (QT *)(buf + row_floats * j); float *acc = buf + row_floats * j + max_hg * width, *m = acc + max_hg * width, *s = m + max_hg; \
+                const int32_t *table = block_tables + (long)row_seq[row] * max_blocks;                  \
+                for (int start = gr.shared * block_size; start < n_keys; start += block_size) {         \
+                    const int n = n_keys - start < block_size ? n_keys - start : block_size;            \
+                    const long base = ((long)table[start / block_size] * block_size * num_kv_heads + kv0) * head_dim; \
+                    const long next = start + block_size < n_keys                                        \
+                        ? ((long)table[start / block_size + 1] * block_size * num_kv_heads + kv0) * head_dim : -1; \
+                    NAME##_block(qf, acc, m, s, scores, k_cache + base, v_cache + base,                 \
+                                 next >= 0 ? k_cache + next : NULL, next >= 0 ? v_cache + next : NULL, n, nkv, \
+                                 group, head_dim, width, qw, sb, kv_stride, scale);                     \
+                }                                                                                       \
+                for (int x = 0; x < hg; x++) {                                                          \
+                    T *op = out + ((long)row * num_heads + kv0 * group + x) * head_dim;                 \
+                    const float inv = s[x] > 0.f ? 1.f / s[x] : 0.f;                                    \
+                    for (int d = 0; d < head_dim; d++) STORE(op + d, acc[x * width + d] * inv);         \
+                }                                                                                       \
             }                                                                                           \
         }                                                                                               \
         free(buf);                                                                                      \
     }                                                                                                   \
+    free(ints);                                                                                         \
+    free(groups);                                                                                       \
     return failed ? -2 : 0;                                                                             \
 }
 
