@@ -4,6 +4,7 @@
     python bench/pipeline.py                      # P=1, P=2 (default split: 7/5), P=2 (even 6/6 split)
     python bench/pipeline.py --repeat 3           # best of 3 per config, interleaved (noisy machines)
     python bench/pipeline.py --prompt-len 384 512 --output-len 4 8   # prefill-heavy: compute-bound stages
+    python bench/pipeline.py --num-speculative-tokens 4   # every config with n-gram speculative decoding
 
 Model: the "medium" random Llama of bench/common.py (hidden 768, 12 layers, 12 heads, intermediate 2048,
 vocab 32000, untied LM head: 110M parameters in the matmuls), built once and reused. Workload: 64
@@ -64,7 +65,7 @@ def run(model: Path, pp: int, partition: tuple[int, ...] | None, prompts: list[l
         params: list[SamplingParams], args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=str(model), dtype=args.dtype, pipeline_parallel_size=pp, pp_layer_partition=partition,
               num_threads=1, num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, num_speculative_tokens=args.num_speculative_tokens)
     try:
         llm.generate(prompts[: 2 * pp], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         pids = [p.pid for p in llm.engine.executor.procs]
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run P=2 with this layer split ('none' to skip); the default split is "
                              "balanced for the LM head (7,5 here), this one is the even split")
     parser.add_argument("--repeat", type=int, default=1, help="runs per config (interleaved); the best counts")
+    parser.add_argument("--num-speculative-tokens", type=int, default=0,
+                        help="n-gram speculative decoding in every config (draft tokens per step; 0: off)")
     parser.add_argument("--num-kv-blocks", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--out", type=Path, default=OUT / "pipeline.json")
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs "
           f"{args.output_len[0]}-{args.output_len[1]}; random Llama {MODEL} (768 x 12 layers), {args.dtype}; one thread per "
-          f"worker; best of {args.repeat}; {load_line(info)}")
+          f"worker; best of {args.repeat}; " + (f"n-gram speculation, {args.num_speculative_tokens} drafts; "
+                                                 if args.num_speculative_tokens else "") + load_line(info))
     print(table(["config", "seconds", "out tok/s", "total tok/s", "vs P=1", "ceiling", "steps", "worker busy",
                  "engine busy", "same tokens"], rows))
     print(f"P=2 / P=1 (output tokens/s): {results[1]['ratio']:.2f}x"

@@ -36,9 +36,11 @@ tokens all equal HF's; bfloat16 diverges for every engine: near-tied logits of a
 --kv-cache-dtype fp8_e5m2 stores K/V as float8 e5m2 in asyncengine and in vLLM alike (HF keeps the
 model's dtype, so agreement with HF falls further): the comparison for a user who trades K/V precision
 for half the KV bytes.
---num-speculative-tokens K turns on speculative decoding with n-gram prompt lookup (drafts from each
-sequence's own history, verified in the same step; greedy output unchanged) in asyncengine and, with the
-same settings (speculative_config method "ngram", prompt_lookup_min 1, max 3), in vLLM.
+Engines "asyncengine-ngram" and "vllm-ngram" add columns with speculative decoding by n-gram prompt
+lookup (drafts from each sequence's own history, verified in the same step; greedy output unchanged):
+asyncengine with num_speculative_tokens = --num-speculative-tokens (default 4) and vLLM (2 threads, bound)
+with speculative_config {"method": "ngram", same K, prompt_lookup_min 1, max 3}. The random models'
+greedy output repeats itself a lot, so these columns show the mechanism at its best.
 `--resume` keeps the configs already in --out (written after each config) and recomputes their FLOPs.
 Writes bench/out/throughput.json and bench/out/throughput.png.
 """
@@ -86,13 +88,13 @@ HF_BATCH = 16
 MAX_MODEL_LEN = 1024
 
 
-def run_asyncengine(model: Path, dtype: str, wl: Workload, args: argparse.Namespace) -> dict[str, Any]:
+def run_asyncengine(model: Path, dtype: str, wl: Workload, args: argparse.Namespace, spec: int = 0) -> dict[str, Any]:
     from asyncengine import LLM, SamplingParams
 
     llm = LLM(model=str(model), dtype=dtype, num_threads=args.threads, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_bytes=int(args.kv_gib * 2**30), max_model_len=MAX_MODEL_LEN,
-              kv_cache_dtype=args.kv_cache_dtype, num_speculative_tokens=args.num_speculative_tokens)
+              kv_cache_dtype=args.kv_cache_dtype, num_speculative_tokens=spec)
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
         warm = [[5 + i] * 24 for i in range(4)]
@@ -146,7 +148,8 @@ def run_hf(model: Path, dtype: str, wl: Workload, args: argparse.Namespace) -> d
     return {"seconds": seconds, "token_ids": tokens}
 
 
-def run_vllm(model: Path, dtype: str, wl: Workload, args: argparse.Namespace, bind: bool) -> dict[str, Any]:
+def run_vllm(model: Path, dtype: str, wl: Workload, args: argparse.Namespace, bind: bool,
+             spec: int = 0) -> dict[str, Any]:
     import subprocess
 
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
@@ -156,7 +159,7 @@ def run_vllm(model: Path, dtype: str, wl: Workload, args: argparse.Namespace, bi
                                    "max_num_batched_tokens": args.max_num_batched_tokens,
                                    "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": True,
                                    "kv_cache_dtype": args.kv_cache_dtype,
-                                   "num_speculative_tokens": args.num_speculative_tokens}))
+                                   "num_speculative_tokens": spec}))
         env = vllm_env(args.threads, bind, args.kv_gib)
         with open(log, "wb") as fh:
             proc = subprocess.Popen([str(VLLM_PYTHON), str(HERE / "vllm_runner.py"), "--workload", str(inp),
@@ -188,14 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="compute threads per engine")
-    p.add_argument("--engines", nargs="+", default=["asyncengine", "hf", "vllm"], choices=["asyncengine", "hf", "vllm"])
+    p.add_argument("--engines", nargs="+", default=["asyncengine", "hf", "vllm"],
+                   choices=["asyncengine", "hf", "vllm", "asyncengine-ngram", "vllm-ngram"])
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-gib", type=float, default=4.0, help="KV-cache GiB for asyncengine and vLLM")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2"],
                    help="KV-cache dtype of asyncengine and vLLM (HF keeps the model's)")
-    p.add_argument("--num-speculative-tokens", type=int, default=0,
-                   help="n-gram speculative decoding in asyncengine and vLLM: draft tokens per step (0: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="draft tokens per step of the -ngram engines")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one engine run may take")
     p.add_argument("--quick", action="store_true", help="tiny model, float32, mixed, 16 requests, short outputs")
     p.add_argument("--resume", action="store_true",
@@ -213,12 +217,18 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     if "asyncengine" in args.engines:
         engines.append(("asyncengine", run_asyncengine))
+    k = args.num_speculative_tokens
+    if "asyncengine-ngram" in args.engines:
+        engines.append((NGRAM, lambda *a: run_asyncengine(*a, spec=k)))
     if "hf" in args.engines:
         engines.append(("HF generate", run_hf))
-    if "vllm" in args.engines:
+    if {"vllm", "vllm-ngram"} & set(args.engines):
         if vllm_available():
-            engines.append(("vLLM 1thr (default)", lambda *a: run_vllm(*a, bind=False)))
-            engines.append((f"vLLM {args.threads}thr (bind)", lambda *a: run_vllm(*a, bind=True)))
+            if "vllm" in args.engines:
+                engines.append(("vLLM 1thr (default)", lambda *a: run_vllm(*a, bind=False)))
+                engines.append((f"vLLM {args.threads}thr (bind)", lambda *a: run_vllm(*a, bind=True)))
+            if "vllm-ngram" in args.engines:
+                engines.append((f"vLLM {args.threads}thr ngram", lambda *a: run_vllm(*a, bind=True, spec=k)))
         else:
             notes.append("vLLM skipped: bench/vllm_venv is absent (bash bench/setup_vllm.sh)")
     names = [n for n, _ in engines]
@@ -286,18 +296,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"start: {load_line(info_start)}\nend:   {load_line(info)}")
     for row in results:
         print("\n" + config_table(row, names))
-    summary = []
-    for row in results:
-        e = row["engines"]
-        ae = e.get("asyncengine", {}).get("output_tok_s")
-        summary.append([f"{row['model']}/{row['dtype']}/{row['workload']}", ae,
-                        *[(ae / e[n]["output_tok_s"]) if ae and e.get(n, {}).get("output_tok_s") else None
-                          for n in names if n != "asyncengine"],
-                        100 * e["asyncengine"]["roofline"] if e.get("asyncengine", {}).get("roofline") else None,
-                        e.get("asyncengine", {}).get("agree_hf")])
-    print("\n### summary (asyncengine output tok/s and its speed ratio to each peer)")
-    print(table(["config", "asyncengine out tok/s", *[f"÷ {n}" for n in names if n != "asyncengine"],
-                 "roofline %", "agree HF"], summary))
+    for mine in [n for n in ("asyncengine", NGRAM) if n in names]:
+        summary = []
+        for row in results:
+            e = row["engines"]
+            ae = e.get(mine, {}).get("output_tok_s")
+            summary.append([f"{row['model']}/{row['dtype']}/{row['workload']}", ae,
+                            *[(ae / e[n]["output_tok_s"]) if ae and e.get(n, {}).get("output_tok_s") else None
+                              for n in names if n != mine],
+                            100 * e[mine]["roofline"] if e.get(mine, {}).get("roofline") else None,
+                            e.get(mine, {}).get("agree_hf")])
+        print(f"\n### summary ({mine} output tok/s and its speed ratio to each other column)")
+        print(table(["config", f"{mine} out tok/s", *[f"÷ {n}" for n in names if n != mine],
+                     "roofline %", "agree HF"], summary))
     for n in notes:
         print(f"note: {n}")
     save(complete=True)
@@ -311,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+NGRAM = "asyncengine ngram"
 RESUME_KEYS = ("num_requests", "seed", "threads", "engines", "max_num_seqs", "max_num_batched_tokens", "kv_gib",
                "quick", "kv_cache_dtype", "num_speculative_tokens")
 
@@ -334,14 +346,18 @@ def load_resumable(args: argparse.Namespace) -> dict[tuple[str, str, str], dict[
 
 def config_table(row: dict[str, Any], names: list[str]) -> str:
     e = row["engines"]
-    ae = e.get("asyncengine", {}).get("output_tok_s")
     get = lambda n, k: e.get(n, {}).get(k)  # noqa: E731
+
+    def ratios(mine: str) -> list[Any]:
+        ae = get(mine, "output_tok_s")
+        return [f"{mine} speed ÷ column", *[(ae / get(n, "output_tok_s")) if ae and get(n, "output_tok_s") else None
+                                          for n in names]]
+
     lines = [
         ["seconds", *[get(n, "seconds") for n in names]],
         ["output tok/s", *[get(n, "output_tok_s") for n in names]],
         ["total tok/s", *[get(n, "total_tok_s") for n in names]],
-        ["asyncengine speed ÷ column", *[(ae / get(n, "output_tok_s")) if ae and get(n, "output_tok_s") else None
-                                         for n in names]],
+        *[ratios(mine) for mine in ("asyncengine", NGRAM) if mine in names],
         ["roofline: % of GEMM peak", *[100 * get(n, "roofline") if get(n, "roofline") else None for n in names]],
         ["greedy agreement with HF", *[get(n, "agree_hf") for n in names]],
     ]

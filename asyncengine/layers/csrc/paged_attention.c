@@ -177,14 +177,16 @@ static int group_rows(const int32_t *block_tables, const int32_t *query_start, c
     return n_groups;
 }
 
-/* One row's heads over n keys of one cache block: scores = q.k (one horizontal add per key and head),
- * online softmax, acc += p.v. kb/vb: the block's first key at the run's first KV head. k_next/v_next: a
- * block to prefetch (or NULL): a random address the hardware prefetcher cannot guess; its rows are
- * fetched one per key of this block, so the loads overlap with this block's math. */
-#define DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, KLOAD16)                                                           \
-static inline void NAME(const QT *qf, float *acc, float *m, float *s, float *scores, const KT *kb,       \
-                        const KT *vb, const KT *k_next, const KT *v_next, int n, int nkv, int group,      \
-                        int head_dim, int width, int qw, int sb, long kv_stride, float scale) {          \
+/* One row's heads over n keys of one cache block, in two halves: scores = q.k (one horizontal add per
+ * key and head) and the online softmax over them (rescaling acc); then acc += p.v. kb/vb: the block's
+ * first key at the run's first KV head. k_next/v_next: a block to prefetch (or NULL): a random address
+ * the hardware prefetcher cannot guess; its rows are fetched one per key of this block, so the loads
+ * overlap with this block's math. */
+#define DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, KLOAD16)                                                 \
+static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, float *scores,             \
+                                 const KT *kb, const KT *k_next, const KT *v_next, int n, int nkv,        \
+                                 int group, int head_dim, int width, int qw, int sb, long kv_stride,      \
+                                 float scale) {                                                         \
     const int hg = nkv * group;                                                                         \
     for (int t = 0; t < n; t++) {                                                                       \
         if (k_next)                                                                                     \
@@ -219,7 +221,10 @@ static inline void NAME(const QT *qf, float *acc, float *m, float *s, float *sco
         }                                                                                               \
         s[x] += _mm512_reduce_add_ps(sum);                                                              \
     }                                                                                                   \
-    for (int x = 0; x < hg; x++) { /* acc += p . v, 16 dims in a register at a time */                  \
+}                                                                                                       \
+static inline void NAME##_values(float *acc, const float *scores, const KT *vb, int n, int nkv, int group, \
+                                 int head_dim, int width, int sb, long kv_stride) {                     \
+    for (int x = 0; x < nkv * group; x++) { /* acc += p . v, 16 dims in a register at a time */        \
         const float *sc = scores + x * sb;                                                              \
         const KT *vh = vb + (x / group) * head_dim;                                                     \
         for (int j = 0; j < width; j += 16) {                                                           \
@@ -229,13 +234,55 @@ static inline void NAME(const QT *qf, float *acc, float *m, float *s, float *sco
             _mm512_store_ps(acc + x * width + j, a);                                                    \
         }                                                                                               \
     }                                                                                                   \
+}                                                                                                       \
+/* acc += p.v for two or four rows over the same block: each V chunk widened once for all of them.     \
+ * Every row adds the same products in the same order as NAME##_values. */                              \
+static inline void NAME##_values2(float *const acc[2], const float *const scores[2], const KT *vb, int n, \
+                                  int nkv, int group, int head_dim, int width, int sb, long kv_stride) { \
+    for (int x = 0; x < nkv * group; x++) {                                                             \
+        const KT *vh = vb + (x / group) * head_dim;                                                     \
+        const float *s0 = scores[0] + x * sb, *s1 = scores[1] + x * sb;                                 \
+        for (int j = 0; j < width; j += 16) {                                                           \
+            const __mmask16 mk = mask_upto(head_dim - j);                                               \
+            const long o = (long)x * width + j;                                                         \
+            __m512 a0 = _mm512_load_ps(acc[0] + o), a1 = _mm512_load_ps(acc[1] + o);                    \
+            for (int t = 0; t < n; t++) {                                                               \
+                const __m512 v = KLOAD16(vh + t * kv_stride + j, mk);                                   \
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(s0[t]), v, a0);                                     \
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(s1[t]), v, a1);                                     \
+            }                                                                                           \
+            _mm512_store_ps(acc[0] + o, a0); _mm512_store_ps(acc[1] + o, a1);                           \
+        }                                                                                               \
+    }                                                                                                   \
+}                                                                                                       \
+static inline void NAME##_values4(float *const acc[4], const float *const scores[4], const KT *vb, int n, \
+                                  int nkv, int group, int head_dim, int width, int sb, long kv_stride) { \
+    for (int x = 0; x < nkv * group; x++) {                                                             \
+        const KT *vh = vb + (x / group) * head_dim;                                                     \
+        const float *s0 = scores[0] + x * sb, *s1 = scores[1] + x * sb, *s2 = scores[2] + x * sb, *s3 = scores[3] + x * sb; \
+        for (int j = 0; j < width; j += 16) {                                                           \
+            const __mmask16 mk = mask_upto(head_dim - j);                                               \
+            const long o = (long)x * width + j;                                                         \
+            __m512 a0 = _mm512_load_ps(acc[0] + o), a1 = _mm512_load_ps(acc[1] + o);                    \
+            __m512 a2 = _mm512_load_ps(acc[2] + o), a3 = _mm512_load_ps(acc[3] + o);                    \
+            for (int t = 0; t < n; t++) {                                                               \
+                const __m512 v = KLOAD16(vh + t * kv_stride + j, mk);                                   \
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(s0[t]), v, a0);                                     \
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(s1[t]), v, a1);                                     \
+                a2 = _mm512_fmadd_ps(_mm512_set1_ps(s2[t]), v, a2);                                     \
+                a3 = _mm512_fmadd_ps(_mm512_set1_ps(s3[t]), v, a3);                                     \
+            }                                                                                           \
+            _mm512_store_ps(acc[0] + o, a0); _mm512_store_ps(acc[1] + o, a1);                           \
+            _mm512_store_ps(acc[2] + o, a2); _mm512_store_ps(acc[3] + o, a3);                           \
+        }                                                                                               \
+    }                                                                                                   \
 }
 
 /* One work item = one group of rows and a run of `per` KV heads: all the heads while there are items
  * enough to keep the threads busy (the keys of a cache block are then one contiguous stream), fewer
  * while the largest item would hold more than a quarter of a thread's share of the work. */
 #define DEFINE_AVX512_KERNEL(NAME, T, KT, QT, QLOAD, QDOT, KLOAD16, STORE)                               \
-DEFINE_AVX512_BLOCK(NAME##_block, QT, QDOT, KT, KLOAD16)                                                          \
+DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, KLOAD16)                                                          \
 int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t *block_tables,             \
          const int32_t *query_start, const int32_t *seq_lens, const uint8_t *skip, int num_seqs,          \
          int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,      \
@@ -270,8 +317,8 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
     int failed = 0;                                                                                     \
     _Pragma("omp parallel num_threads(num_threads)")                                                    \
     {                                                                                                   \
-        /* per thread: the rows' state for the biggest group, then scores [hg][sb] */                    \
-        const size_t floats = row_floats * (size_t)biggest + (size_t)max_hg * sb;                       \
+        /* per thread: the rows' state for the biggest group, then scores [4][hg][sb] */                 \
+        const size_t floats = row_floats * (size_t)biggest + 4 * (size_t)max_hg * sb;                   \
         float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);               \
         if (!buf) {                                                                                     \
             _Pragma("omp atomic write")                                                                 \
@@ -299,12 +346,27 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
             for (int b = 0; b < gr.shared; b++) {                                                       \
                 const long base = ((long)t0[b] * block_size * num_kv_heads + kv0) * head_dim;           \
                 const long next = b + 1 < gr.shared ? ((long)t0[b + 1] * block_size * num_kv_heads + kv0) * head_dim : -1; \
-                for (int j = 0; j < gr.count; j++) {                                                    \
-                    QT *qf = (QT *)(buf + row_floats * j); float *acc = buf + row_floats * j + max_hg * width, *m = acc + max_hg * width, *s = m + max_hg; \
-                    const int pf = j == 0 && next >= 0;                                                 \
-                    NAME##_block(qf, acc, m, s, scores, k_cache + base, v_cache + base,                 \
-                                 pf ? k_cache + next : NULL, pf ? v_cache + next : NULL, block_size, nkv, group, \
-                                 head_dim, width, qw, sb, kv_stride, scale);                            \
+                for (int j0 = 0; j0 < gr.count; j0 += 4) { /* four rows at a time share the V reads */  \
+                    const int rows = gr.count - j0 < 4 ? gr.count - j0 : 4;                             \
+                    float *accs[4], *scs[4];                                                            \
+                    for (int r = 0; r < rows; r++) {                                                    \
+                        const int j = j0 + r;                                                           \
+                        QT *qf = (QT *)(buf + row_floats * j); float *acc = buf + row_floats * j + max_hg * width, *m = acc + max_hg * width, *s = m + max_hg; \
+                        const int pf = j == 0 && next >= 0;                                             \
+                        accs[r] = acc; scs[r] = scores + (size_t)r * max_hg * sb;                       \
+                        NAME##_scores(qf, acc, m, s, scs[r], k_cache + base, pf ? k_cache + next : NULL, \
+                                      pf ? v_cache + next : NULL, block_size, nkv, group, head_dim, width, qw, sb, \
+                                      kv_stride, scale);                                                \
+                    }                                                                                   \
+                    if (rows == 4)                                                                      \
+                        NAME##_values4(accs, (const float *const *)scs, v_cache + base, block_size, nkv, group, \
+                                       head_dim, width, sb, kv_stride);                                 \
+                    if (rows == 2 || rows == 3)                                                         \
+                        NAME##_values2(accs, (const float *const *)scs, v_cache + base, block_size, nkv, group, \
+                                       head_dim, width, sb, kv_stride);                                 \
+                    if (rows == 1 || rows == 3)                                                         \
+                        NAME##_values(accs[rows - 1], scs[rows - 1], v_cache + base, block_size, nkv, group, \
+                                      head_dim, width, sb, kv_stride);                                  \
                 }                                                                                       \
             }                                                                                           \
             for (int j = 0; j < gr.count; j++) { /* each row's own blocks, then its output */           \
@@ -316,9 +378,10 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                     const long base = ((long)table[start / block_size] * block_size * num_kv_heads + kv0) * head_dim; \
                     const long next = start + block_size < n_keys                                        \
                         ? ((long)table[start / block_size + 1] * block_size * num_kv_heads + kv0) * head_dim : -1; \
-                    NAME##_block(qf, acc, m, s, scores, k_cache + base, v_cache + base,                 \
-                                 next >= 0 ? k_cache + next : NULL, next >= 0 ? v_cache + next : NULL, n, nkv, \
-                                 group, head_dim, width, qw, sb, kv_stride, scale);                     \
+                    NAME##_scores(qf, acc, m, s, scores, k_cache + base, next >= 0 ? k_cache + next : NULL, \
+                                  next >= 0 ? v_cache + next : NULL, n, nkv, group, head_dim, width, qw, sb, \
+                                  kv_stride, scale);                                                    \
+                    NAME##_values(acc, scores, v_cache + base, n, nkv, group, head_dim, width, sb, kv_stride); \
                 }                                                                                       \
                 for (int x = 0; x < hg; x++) {                                                          \
                     T *op = out + ((long)row * num_heads + kv0 * group + x) * head_dim;                 \
