@@ -93,6 +93,11 @@ class InputBatch:
 
     def _apply(self, diff: CachedSeq) -> SeqState:
         state = self.seqs[diff.seq_id]
+        if not 0 <= diff.num_rejected <= state.num_output_tokens or not 0 <= diff.num_draft_tokens < max(
+                diff.num_scheduled_tokens, 1):
+            raise ValueError(f"sequence {diff.seq_id}: {diff.num_rejected} rejected and {diff.num_draft_tokens} draft "
+                             f"tokens do not fit {state.num_output_tokens} outputs and {diff.num_scheduled_tokens} "
+                             "scheduled tokens")
         if diff.num_rejected:
             state.rollback(diff.num_rejected)
         if diff.new_token_ids:

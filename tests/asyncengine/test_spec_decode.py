@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from tiny_models import ARCHITECTURES, hf_greedy
 
 from asyncengine import SamplingParams
@@ -13,6 +14,8 @@ from asyncengine.config import EngineConfig
 from asyncengine.errors import ConfigError
 from asyncengine.sampling_params import OutputKind
 from asyncengine.spec_decode import NgramIndex
+from asyncengine.transport.wire import CachedSeq, ExecuteModelRequest, NewSeq, SamplingOptions, pack_ids
+from asyncengine.worker.input_batch import InputBatch
 
 MAX_NEW = 24
 
@@ -175,3 +178,26 @@ def test_token_budget_limits_drafts(tiny_model_factory, llm_factory) -> None:
     assert [sched._drafts_per_seq(n) for n in (1, 4, 7, 8, 9, 16)] == [4, 3, 1, 1, 0, 0]
     sched.spec_token_budget = 0  # no limit
     assert sched._drafts_per_seq(500) == 4
+
+
+def test_worker_state_drops_rejected_drafts() -> None:
+    """The worker's copy of a sequence: drafts arrive as tokens, the next step's diff drops the rejected
+    ones (tokens, their output counts for penalties, their computed slots) before appending."""
+    batch = InputBatch(torch.device("cpu"))
+    opts = SamplingOptions(temperature=0.0)
+    step = batch.update(ExecuteModelRequest(0, new_seqs=[NewSeq(7, pack_ids([1, 2, 3]), 3, [0], 0, 3, opts)]))
+    batch.mark_computed(step)
+    state = batch.seqs[7]
+    # sampled 9; drafts 9, 4 (the step computes 9 and both drafts)
+    step = batch.update(ExecuteModelRequest(1, cached_seqs=[CachedSeq(7, 3, [9, 9, 4], [], 0, 2)]))
+    assert step.num_drafts == [2] and state.token_ids == [1, 2, 3, 9, 9, 4]
+    batch.mark_computed(step)
+    assert state.num_computed_tokens == 6
+    # the model kept the first draft (9) and sampled 5 after it: drop 4, append 5
+    step = batch.update(ExecuteModelRequest(2, cached_seqs=[CachedSeq(7, 1, [5], [], 1, 0)]))
+    assert state.token_ids == [1, 2, 3, 9, 9, 5] and state.num_computed_tokens == 5
+    assert state.output_counts == {9: 2, 5: 1}
+    with pytest.raises(ValueError):  # more rejected tokens than outputs: a corrupt diff, not a silent rollback
+        batch.update(ExecuteModelRequest(3, cached_seqs=[CachedSeq(7, 1, [], [], 4, 0)]))
+    with pytest.raises(ValueError):
+        batch.update(ExecuteModelRequest(4, cached_seqs=[CachedSeq(7, 2, [1, 2], [], 0, 2)]))
