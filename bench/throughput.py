@@ -36,11 +36,12 @@ tokens all equal HF's; bfloat16 diverges for every engine: near-tied logits of a
 --kv-cache-dtype fp8_e5m2 stores K/V as float8 e5m2 in asyncengine and in vLLM alike (HF keeps the
 model's dtype, so agreement with HF falls further): the comparison for a user who trades K/V precision
 for half the KV bytes.
-Engines "asyncengine-ngram" and "vllm-ngram" add columns with speculative decoding by n-gram prompt
-lookup (drafts from each sequence's own history, verified in the same step; greedy output unchanged):
-asyncengine with num_speculative_tokens = --num-speculative-tokens (default 4) and vLLM (2 threads, bound)
-with speculative_config {"method": "ngram", same K, prompt_lookup_min 1, max 3}. The random models'
-greedy output repeats itself a lot, so these columns show the mechanism at its best.
+Engines "asyncengine-ngram" (run by default) and "vllm-ngram" add columns with speculative decoding by
+n-gram prompt lookup (drafts from each sequence's own history, verified in the same step; greedy output
+unchanged): asyncengine with num_speculative_tokens = --num-speculative-tokens (default 4) and vLLM (2
+threads, bound) with speculative_config {"method": "ngram", same K, prompt_lookup_min 1, max 3}. The
+random models' greedy output repeats itself a lot, so these columns show the mechanism at its best;
+on short outputs (--quick) the async scheduling it turns off costs more than it saves.
 `--resume` keeps the configs already in --out (written after each config) and recomputes their FLOPs.
 Writes bench/out/throughput.json and bench/out/throughput.png.
 """
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="compute threads per engine")
-    p.add_argument("--engines", nargs="+", default=["asyncengine", "hf", "vllm"],
+    p.add_argument("--engines", nargs="+", default=["asyncengine", "asyncengine-ngram", "hf", "vllm"],
                    choices=["asyncengine", "hf", "vllm", "asyncengine-ngram", "vllm-ngram"])
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
