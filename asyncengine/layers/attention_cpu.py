@@ -2,8 +2,10 @@
 
 The PyTorch reference has to gather every sequence's blocks into a padded tensor per layer, which
 dominates a CPU decode step (measured: ~80% of it at batch 64). The kernel in csrc/paged_attention.c
-walks the block table instead, with an online softmax, one OpenMP task per query row and run of KV
-heads. Prompts and prompt chunks of 16+ rows go to torch's SDPA, whose blocked GEMMs are faster there.
+walks the block table instead, with an online softmax, one OpenMP task per group of query rows (rows
+that share their leading cache blocks: a speculative step's draft rows, prefix-cache sharers) and run
+of KV heads. Prompts and prompt chunks of 16+ rows go to torch's SDPA, whose blocked GEMMs are faster
+there.
 
 The kernel is compiled on first use with the system C compiler (about 0.2 s) into a per-machine
 cache; without a compiler, or for dtypes it does not cover, the reference backend is used.

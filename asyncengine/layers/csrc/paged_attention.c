@@ -4,9 +4,10 @@
  * attends causally over the first  seq_len[i] - q_len[i] + (r - query_start[i]) + 1  cached keys,
  * with an online softmax one cache block at a time.
  *
- * One OpenMP task handles one query row and a group of heads that share a KV head. It walks the
- * keys in cache order, so each key's [head_dim] vector is loaded once for all heads of the group;
- * rows whose sequence is long are split no further (decode rows are short work items already).
+ * The portable build: one OpenMP task handles one query row and the heads that share a KV head. It
+ * walks the keys in cache order, so each key's [head_dim] vector is loaded once for all those heads.
+ * The AVX-512 build: one task handles a group of rows that share leading blocks and a run of KV heads
+ * (see RowGroup below).
  * Layouts (contiguous): q/out [T, H, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D], in the
  * query's dtype or (the *_e5m2 kernels) float8 e5m2 bytes, widened in registers;
  * block_tables [B, max_blocks] int32; query_start [B + 1] int32; seq_lens [B] int32; skip [B] or NULL.
