@@ -201,3 +201,26 @@ def test_worker_state_drops_rejected_drafts() -> None:
         batch.update(ExecuteModelRequest(3, cached_seqs=[CachedSeq(7, 1, [], [], 4, 0)]))
     with pytest.raises(ValueError):
         batch.update(ExecuteModelRequest(4, cached_seqs=[CachedSeq(7, 2, [1, 2], [], 0, 2)]))
+
+
+def test_text_and_stop_strings_with_drafts(tiny_model_factory, llm_factory) -> None:
+    """With a tokenizer: the text of a speculating request is the text without speculation, and a stop
+    string completed by a token inside the accepted drafts cuts the text (and the tokens) there."""
+    model = tiny_model_factory("llama", tokenizer=True)
+    plain = llm_factory(model)
+    spec = llm_factory(model, num_speculative_tokens=4)
+    prompts = ["Hello", "def fibonacci(n):", "a b a b a b a b"]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert accepted(spec)[1] > 0
+    for w in want:
+        text = w.outputs[0].text
+        if len(text) < 12:
+            continue
+        stop = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[text[8:11]])
+        a, b = plain.generate(w.prompt, stop)[0].outputs[0], spec.generate(w.prompt, stop)[0].outputs[0]
+        assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == (a.text, a.token_ids, a.finish_reason,
+                                                                          a.stop_reason)
+        assert b.finish_reason == "stop"
