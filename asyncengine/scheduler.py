@@ -6,6 +6,10 @@ pipeline parallelism several batches of disjoint sequences can be in the pipelin
 sequence, the next finds none left, and P - 1 stages sit idle; and ceil(max_num_batched_tokens / P)
 tokens, so the pipeline as a whole holds one step's budget and a burst of prompts reaches the last
 stage after 1/P of a full step instead of leaving it idle for a whole one.
+
+With speculative decoding (a `proposer`), a decoding sequence's step also computes its draft tokens
+(spec_decode.py), within the batch's token budget and `spec_token_budget`; the step then samples after
+each of them, and `on_step_done` counts only the drafts the model agreed with as computed.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ token plus the drafts; the last stage samples after every one of them, and the e
 drafts up to the first one the model disagrees with, plus the model's own token there. Greedy output
 is the one without speculation: every kept token is the model's argmax given the tokens before it.
 A decode step on CPU is bound by reading the weights and the K/V (bench/RESULTS.md), so verifying a
-few more rows per sequence costs far less than the steps that accepted drafts save.
+few more rows per sequence costs far less than the steps that accepted drafts save, until the rows
+make the GEMMs compute-bound: the scheduler's spec_token_budget caps them there.
 
 Drafts are proposed by the scheduler, so every worker and stage gets them in the ExecuteModelRequest
 like any scheduled token; only greedy requests without penalties, logprobs or a pending min_tokens
