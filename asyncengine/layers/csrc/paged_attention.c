@@ -178,6 +178,14 @@ static int group_rows(const int32_t *block_tables, const int32_t *query_start, c
     return n_groups;
 }
 
+/* Row j's slice of a work item's scratch: its query (in the kernel's QT, cast by the caller) and acc,
+ * [hg][width] floats each, then m and s [hg]; slices are row_floats apart. */
+typedef struct { float *q, *acc, *m, *s; } RowState;
+static inline RowState row_state(float *buf, size_t row_floats, int j, int max_hg, int width) {
+    float *q = buf + row_floats * (size_t)j, *acc = q + (size_t)max_hg * width, *m = acc + (size_t)max_hg * width;
+    return (RowState){q, acc, m, m + max_hg};
+}
+
 /* One row's heads over n keys of one cache block, in two halves: scores = q.k (one horizontal add per
  * key and head) and the online softmax over them (rescaling acc); then acc += p.v. kb/vb: the block's
  * first key at the run's first KV head. k_next/v_next: a block to prefetch (or NULL): a random address
@@ -334,7 +342,8 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
             const int nkv = num_kv_heads - kv0 < per ? num_kv_heads - kv0 : per, hg = nkv * group;      \
             for (int j = 0; j < gr.count; j++) {                                                        \
                 const int row = order[gr.first + j];                                                    \
-                QT *qf = (QT *)(buf + row_floats * j); float *acc = buf + row_floats * j + max_hg * width, *m = acc + max_hg * width, *s = m + max_hg; \
+                const RowState st = row_state(buf, row_floats, j, max_hg, width);                       \
+                QT *qf = (QT *)st.q; float *acc = st.acc, *m = st.m, *s = st.s;                         \
                 for (int x = 0; x < hg; x++) {                                                          \
                     const T *qp = q + ((long)row * num_heads + kv0 * group + x) * head_dim;             \
                     for (int d = 0; d < qw; d++) qf[x * qw + d] = d < head_dim ? QLOAD(qp[d]) : (QT)0;  \
@@ -352,7 +361,8 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                     float *accs[4], *scs[4];                                                            \
                     for (int r = 0; r < rows; r++) {                                                    \
                         const int j = j0 + r;                                                           \
-                        QT *qf = (QT *)(buf + row_floats * j); float *acc = buf + row_floats * j + max_hg * width, *m = acc + max_hg * width, *s = m + max_hg; \
+                        const RowState st = row_state(buf, row_floats, j, max_hg, width);               \
+                        QT *qf = (QT *)st.q; float *acc = st.acc, *m = st.m, *s = st.s;                 \
                         const int pf = j == 0 && next >= 0;                                             \
                         accs[r] = acc; scs[r] = scores + (size_t)r * max_hg * sb;                       \
                         NAME##_scores(qf, acc, m, s, scs[r], k_cache + base, pf ? k_cache + next : NULL, \
@@ -372,7 +382,8 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
             }                                                                                           \
             for (int j = 0; j < gr.count; j++) { /* each row's own blocks, then its output */           \
                 const int row = order[gr.first + j], n_keys = row_keys[row];                            \
-                QT *qf = (QT *)(buf + row_floats * j); float *acc = buf + row_floats * j + max_hg * width, *m = acc + max_hg * width, *s = m + max_hg; \
+                const RowState st = row_state(buf, row_floats, j, max_hg, width);                       \
+                QT *qf = (QT *)st.q; float *acc = st.acc, *m = st.m, *s = st.s;                         \
                 const int32_t *table = block_tables + (long)row_seq[row] * max_blocks;                  \
                 for (int start = gr.shared * block_size; start < n_keys; start += block_size) {         \
                     const int n = n_keys - start < block_size ? n_keys - start : block_size;            \
