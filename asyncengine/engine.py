@@ -289,7 +289,7 @@ class AsyncEngine:
                 cached.append(CachedSeq(seq.seq_id, num, seq.token_ids[seq.num_tokens_on_workers :] + drafts,
                                         seq.block_ids[seq.num_blocks_on_workers :], seq.num_rejected_on_workers,
                                         len(drafts)))
-                seq.num_rejected_on_workers = len(drafts)  # until the output says how many were accepted
+                seq.num_rejected_on_workers = 0  # sent; _process sets it again once the drafts are verified
                 cached_items.append(item)
             seq.num_tokens_on_workers = max(seq.num_tokens_on_workers, seq.num_tokens)
             seq.num_blocks_on_workers = len(seq.block_ids)

@@ -113,7 +113,7 @@ class Scheduler:
             if not fits:
                 seq.draft_token_ids = []
                 continue
-            scheduled.append(ScheduledSeq(seq, num, True) if seq.draft_token_ids else self._scheduled(seq, num))
+            scheduled.append(self._scheduled(seq, num))
             budget -= num
             # shareable as soon as scheduled, even by the waiting sequences below (see register_full_blocks)
             bm.register_full_blocks(seq, seq.num_computed_tokens + seq.num_inflight_tokens + num)
@@ -147,7 +147,8 @@ class Scheduler:
 
     @staticmethod
     def _scheduled(seq: Sequence, num: int) -> ScheduledSeq:
-        return ScheduledSeq(seq, num, num == seq.num_uncomputed_tokens)
+        # it samples when its tokens (drafts aside: they are not its tokens yet) reach its end
+        return ScheduledSeq(seq, num, num - len(seq.draft_token_ids) == seq.num_uncomputed_tokens)
 
     def _drafts_per_seq(self, num_seqs: int) -> int:
         """Drafts a decoding sequence may get this step: num_speculative_tokens, or fewer where the
