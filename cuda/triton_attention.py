@@ -30,6 +30,7 @@ except ImportError:  # CPU-only installs: the engine falls back to the torch bac
 _DECODE_BLOCK_N = 32
 _PREFILL_BLOCK_M = 16  # tl.dot needs at least 16 rows
 _PREFILL_BLOCK_N = 32
+_NO_WINDOW = 2**30  # a window past any context: the masks need no branch
 
 
 if HAS_TRITON:
@@ -44,6 +45,7 @@ if HAS_TRITON:
         stride_bt,
         stride_ob, stride_oh,
         block_size,
+        window,  # sliding window: keys seq_len - window .. seq_len - 1 (a huge value: no window)
         GROUP: tl.constexpr,  # query heads per KV head
         HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr,
@@ -65,9 +67,10 @@ if HAS_TRITON:
         m_i = -1.0e30  # running max of the scores
         l_i = 0.0  # running sum of exp(score - m_i)
         acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)  # [D]
-        for start in range(0, seq_len, BLOCK_N):
+        first = tl.maximum(seq_len - window, 0)  # the first key the window keeps
+        for start in range(first // BLOCK_N * BLOCK_N, seq_len, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)  # [N] key positions
-            mask_n = offs_n < seq_len
+            mask_n = (offs_n < seq_len) & (offs_n >= first)
             block = tl.load(Block_tables + seq * stride_bt + offs_n // block_size, mask=mask_n, other=0)
             offset = offs_n % block_size
             mask_kv = mask_n[:, None] & mask_d[None, :]
@@ -98,6 +101,7 @@ if HAS_TRITON:
         stride_bt,
         stride_ot, stride_oh,
         block_size,
+        window,  # sliding window: query position p sees keys p - window < j <= p (huge: no window)
         GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr,
@@ -132,7 +136,9 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
         # Causality: no query of this tile sees past its last row's position.
         end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
-        for start in range(0, end, BLOCK_N):
+        # ... nor, with a window, before its first row's window
+        first = tl.maximum(context_len + tile * BLOCK_M - window + 1, 0)
+        for start in range(first // BLOCK_N * BLOCK_N, end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)  # [N] key positions
             mask_n = offs_n < end
             block = tl.load(Block_tables + seq * stride_bt + offs_n // block_size, mask=mask_n, other=0)
@@ -144,7 +150,7 @@ if HAS_TRITON:
             # "ieee" keeps fp32 inputs exact on tensor-core GPUs (default tf32 drops mantissa bits);
             # half-precision inputs ignore it.
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, N] fp32
-            visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+            visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window) & mask_n[None, :]
             scores = tl.where(visible, scores, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [M]
@@ -195,6 +201,7 @@ def paged_attention_decode(
     block_tables: torch.Tensor,  # [B, M] int32
     seq_lens: torch.Tensor,  # [B] int32, keys per sequence (including this step's)
     scale: float,
+    sliding_window: int | None = None,  # attend over the last sliding_window keys only
 ) -> torch.Tensor:  # [B, Hq, D]
     """Attention of one query per sequence over its paged context.
 
@@ -216,6 +223,7 @@ def paged_attention_decode(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         k_cache.shape[1],
+        sliding_window or _NO_WINDOW,
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
@@ -233,6 +241,7 @@ def paged_attention_prefill(
     seq_lens: torch.Tensor,  # [B] int32, context after this step (cached + new)
     max_query_len: int,
     scale: float,
+    sliding_window: int | None = None,  # a query at position p sees keys p - sliding_window < j <= p
 ) -> torch.Tensor:  # [T, Hq, D]
     """Varlen causal attention: sequence i's queries q[query_start_loc[i]:query_start_loc[i+1]] are the
     last q_len_i positions of its seq_len_i tokens, whose keys and values are all in the paged cache.
@@ -257,6 +266,7 @@ def paged_attention_prefill(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         k_cache.shape[1],
+        sliding_window or _NO_WINDOW,
         GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),

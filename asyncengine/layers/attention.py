@@ -7,6 +7,10 @@ KV-cache layout, per layer: k_cache and v_cache are [num_blocks, block_size, num
 Token slot s lives at block s // block_size, offset s % block_size. The cache holds the model's dtype,
 or float8 e5m2 with kv_cache_dtype=fp8_e5m2: keys and values are rounded once, when written,
 and every attention of the step (a fresh prompt's over its own keys too) sees them as stored.
+
+Sliding-window layers (Mistral's `sliding_window`, Qwen2/3's "sliding_attention" layers) pass their
+window W to the backend: the query at position i sees keys i - W < j <= i, as HF's mask does. The
+cache still keeps every key (blocks are not freed behind the window).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # W: a query at position i sees keys i - W < j <= i
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
 
@@ -123,8 +128,10 @@ class Attention(nn.Module):
     loading, memory profiling) the layer attends over this step's keys only.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
@@ -148,5 +155,6 @@ class Attention(nn.Module):
             k, v = k.to(self.k_cache.dtype), v.to(self.k_cache.dtype)
             write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             k, v = k.to(q.dtype), v.to(q.dtype)
-        out = get_attention_backend().forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        out = get_attention_backend().forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                              self.sliding_window)
         return out.reshape(-1, self.num_heads * self.head_dim)

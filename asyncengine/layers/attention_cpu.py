@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from asyncengine.layers.attention import AttentionMetadata
-from asyncengine.layers.attention_torch import TorchAttentionBackend, _causal_attention, gather_kv
+from asyncengine.layers.attention_torch import TorchAttentionBackend, causal_attention, gather_kv
 from asyncengine.layers.csrc_build import build_library
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def load_kernel_library(portable: bool = False) -> ctypes.CDLL | None:
     for name in _KERNELS.values():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -98,17 +98,18 @@ class CpuAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         kernel = _KERNELS.get((q.dtype, k_cache.dtype))
         supported = q.shape[2] <= 512 and k_cache.shape[1] <= 256 and q.shape[1] // max(k.shape[1], 1) <= 64
         if self.lib is None or kernel is None or not supported or not k_cache.numel() or q.device.type != "cpu":
-            return self.reference.forward(q, k, v, k_cache, v_cache, meta, scale)
+            return self.reference.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
         q = q.contiguous()
         out = torch.empty_like(q)
         step = self._step_args(meta)
         dense, skip = step.dense, step.skip
         if skip is None or not all(dense):
-            self._run_kernel(kernel, q, k_cache, v_cache, out, step, scale)
+            self._run_kernel(kernel, q, k_cache, v_cache, out, step, scale, sliding_window or 0)
         if skip is not None:
             start = 0
             for i, (q_len, seq_len, is_dense) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, dense)):
@@ -119,12 +120,12 @@ class CpuAttentionBackend:
                     else:  # this step's keys are already in the cache (written before attention)
                         keys = gather_kv(k_cache, meta.block_tables[i], seq_len, q.dtype)
                         values = gather_kv(v_cache, meta.block_tables[i], seq_len, q.dtype)
-                    out[start:end] = _causal_attention(q[start:end], keys, values, scale)
+                    out[start:end] = causal_attention(q[start:end], keys, values, scale, sliding_window)
                 start = end
         return out
 
     def _run_kernel(self, kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    out: torch.Tensor, step: _StepArgs, scale: float) -> None:
+                    out: torch.Tensor, step: _StepArgs, scale: float, window: int) -> None:
         tables, query_start, seq_lens, skip = step.tables, step.query_start, step.seq_lens, step.skip
         num_seqs = seq_lens.shape[0]
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -132,7 +133,7 @@ class CpuAttentionBackend:
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
             query_start.data_ptr(), seq_lens.data_ptr(), skip.data_ptr() if skip is not None else None,
             num_seqs, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], tables.shape[1],
-            scale, torch.get_num_threads(),
+            scale, window, torch.get_num_threads(),
         )
         if rc == -2:
             raise MemoryError("CPU attention kernel could not allocate its scratch buffer")

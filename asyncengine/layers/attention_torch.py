@@ -57,9 +57,10 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if meta.is_decode_only and k_cache.numel():
-            return self._decode(q, k_cache, v_cache, meta, scale)
+            return self._decode(q, k_cache, v_cache, meta, scale, sliding_window)
         out = torch.empty_like(q)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
@@ -69,7 +70,7 @@ class TorchAttentionBackend:
             else:
                 keys = gather_kv(k_cache, meta.block_tables[i], seq_len, q.dtype)
                 values = gather_kv(v_cache, meta.block_tables[i], seq_len, q.dtype)
-            out[start:end] = _causal_attention(q[start:end], keys, values, scale)
+            out[start:end] = causal_attention(q[start:end], keys, values, scale, sliding_window)
             start = end
         return out
 
@@ -80,6 +81,7 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None,
     ) -> torch.Tensor:  # [B, num_heads, head_dim]
         num_seqs = meta.num_seqs
         block_size = k_cache.shape[1]
@@ -88,29 +90,38 @@ class TorchAttentionBackend:
         keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, Hkv, M * block_size, D]
         values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
         positions = torch.arange(keys.shape[2], device=q.device)
-        mask = positions[None, :] < meta.seq_lens[:num_seqs, None].to(q.device)  # [B, S]
+        seq_lens = meta.seq_lens[:num_seqs, None].to(q.device)
+        mask = positions[None, :] < seq_lens  # [B, S]
+        if sliding_window:  # the query sits at seq_len - 1
+            mask &= positions[None, :] >= seq_lens - sliding_window
         out = sdpa(q[:num_seqs].unsqueeze(2), keys, values, mask[:, None, None, :], False, scale)  # [B, H, 1, D]
         result = torch.zeros_like(q)
         result[:num_seqs] = out.squeeze(2)
         return result
 
 
-def _causal_attention(
+def causal_attention(
     q: torch.Tensor,  # [q_len, num_heads, head_dim]
     keys: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     values: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+    """The queries are the last q_len positions of the context: row j sees keys up to seq_len - q_len + j,
+    and with a sliding window W only the last W of those."""
     q_len, seq_len = q.shape[0], keys.shape[0]
     mask = None
-    if q_len == seq_len:
+    windowed = bool(sliding_window) and seq_len > sliding_window
+    if q_len == seq_len and not windowed:
         causal = q_len > 1
     else:
-        # queries are the last q_len positions of the context: row j sees keys 0 .. seq_len - q_len + j
         causal = False
-        if q_len > 1:
+        if q_len > 1 or windowed:
             rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
+            cols = torch.arange(seq_len, device=q.device)[None, :]
+            mask = cols <= rows
+            if windowed:
+                mask &= cols > rows - sliding_window
     # [H, q_len, D] over [Hkv, seq_len, D]
     out = sdpa(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), mask, causal, scale)
     return out.transpose(0, 1)

@@ -32,13 +32,14 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if not k_cache.numel():
-            return self._no_cache.forward(q, k, v, k_cache, v_cache, meta, scale)
+            return self._no_cache.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
         if meta.is_decode_only:
             # One query row per sequence; rows beyond meta.num_seqs (graph padding) carry seq_len 0 in
             # the padded tensors and come back as zeros.
-            return paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+            return paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
         return paged_attention_prefill(
             q,
             k_cache,
@@ -48,4 +49,5 @@ class TritonAttentionBackend:
             meta.seq_lens,
             meta.max_query_len,
             scale,
+            sliding_window,
         )

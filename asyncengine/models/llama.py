@@ -38,13 +38,26 @@ class LlamaOptions:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotary embedding
 
 
+def sliding_window_of(hf_config: Any, layer: int) -> int | None:
+    """The layer's attention window, as HF applies it: Mistral's `sliding_window` on every layer;
+    with `layer_types` (Qwen2/3, where use_sliding_window=False leaves sliding_window None) only on
+    the "sliding_attention" layers."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and layer_types[layer] != "sliding_attention":
+        return None
+    return int(window)
+
+
 def head_dim_of(hf_config: Any) -> int:
     """Explicit `head_dim` when the config has one (Qwen3, Mistral-Nemo), else hidden / heads."""
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, parallel: ParallelContext, opts: LlamaOptions) -> None:
+    def __init__(self, cfg: Any, parallel: ParallelContext, opts: LlamaOptions, layer: int) -> None:
         super().__init__()
         self.head_dim = head_dim_of(cfg)
         total_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -60,7 +73,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.attn = Attention(
-            self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads, self.head_dim**-0.5
+            self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads, self.head_dim**-0.5,
+            sliding_window_of(cfg, layer),
         )
 
     def forward(
@@ -91,9 +105,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, parallel: ParallelContext, opts: LlamaOptions) -> None:
+    def __init__(self, cfg: Any, parallel: ParallelContext, opts: LlamaOptions, layer: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, parallel, opts)
+        self.self_attn = LlamaAttention(cfg, parallel, opts, layer)
         self.mlp = LlamaMLP(cfg, parallel, opts)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -126,7 +140,7 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         # a ModuleDict keyed by the global layer index keeps HF's names (model.layers.7...) on every stage
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(cfg, parallel, opts) for i in range(cfg.num_hidden_layers)
+            {str(i): LlamaDecoderLayer(cfg, parallel, opts, i) for i in range(cfg.num_hidden_layers)
              if parallel.owns_layer(i)}
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if parallel.is_last_stage else None
@@ -235,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama without biases; its sliding window is honoured by capping the context (see model_max_len)."""
+    """Llama without biases, and with a sliding window on every layer when the config sets one."""
 
     @classmethod
     def options(cls, cfg: Any) -> LlamaOptions:

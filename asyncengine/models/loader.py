@@ -66,19 +66,11 @@ def lm_head_cost(hf_config: Any) -> float:
 
 
 def model_max_len(hf_config: Any) -> int:
-    """The longest context the model supports.
-
-    NOTE: our attention has no sliding window, so where one is in effect (Mistral's `sliding_window`, Qwen2/3
-    with `use_sliding_window`) the context is capped at the window, where full attention is the same thing.
-    """
+    """The longest context the model supports (a sliding window does not shorten it: the attention
+    layers honour the window, see llama.sliding_window_of)."""
     max_len = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
     if not max_len:
         raise ModelLoadError("the model config has neither max_position_embeddings nor n_positions")
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        layer_types = getattr(hf_config, "layer_types", None)
-        if layer_types is None or "sliding_attention" in layer_types:
-            max_len = min(max_len, int(window))
     return int(max_len)
 
 

@@ -1,6 +1,6 @@
 """Qwen2: Llama with a bias on the q/k/v projections (none on o_proj or the MLP).
 
-Qwen2's optional sliding window is honoured by capping the context length (see loader.model_max_len).
+Qwen2's optional sliding window applies to its "sliding_attention" layers (llama.sliding_window_of).
 """
 
 from __future__ import annotations

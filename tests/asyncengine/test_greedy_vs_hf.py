@@ -40,6 +40,31 @@ def test_greedy_matches_hf(arch, tiny_model_factory, llm_factory) -> None:
     assert llm.engine.scheduler.block_manager.num_free_blocks == 22
 
 
+SLIDING = {
+    # Mistral: a window on every layer; 20 is not a multiple of the 16-token block, so windows start mid-block
+    "mistral": dict(sliding_window=20),
+    # Qwen2/3: the window only on the layers from max_window_layers on ("sliding_attention")
+    "qwen2": dict(use_sliding_window=True, sliding_window=33, max_window_layers=1, num_hidden_layers=3),
+    "qwen3": dict(use_sliding_window=True, sliding_window=7, max_window_layers=1, num_hidden_layers=2),
+}
+
+
+@pytest.mark.parametrize("arch", list(SLIDING))
+def test_sliding_window_matches_hf(arch, tiny_model_factory, llm_factory) -> None:
+    """Prompts and outputs longer than the window: each query sees only the last W keys, as in HF, in
+    decode (the C kernel), prompt chunks after cached context (SDPA with a mask), a multi-row kernel
+    chunk and speculative draft rows."""
+    model = tiny_model_factory(arch, **SLIDING[arch])
+    prompts = make_prompts(512, seed=3)
+    expected = hf_greedy(model, prompts, 30)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    for kwargs in ({}, {"max_num_batched_tokens": 24, "block_size": 16}, {"num_speculative_tokens": 3}):
+        llm = llm_factory(model, **kwargs)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert got == expected, kwargs
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_prefix_caching_reuses_blocks_and_stays_exact(arch, tiny_model_factory, llm_factory) -> None:
     model = tiny_model_factory(arch)

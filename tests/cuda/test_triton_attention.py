@@ -135,6 +135,22 @@ def test_prefill_matches_reference(kernels, head_dim, group, block_size, num_kv_
     torch.testing.assert_close(out, reference(q, k, v, k_cache, v_cache, meta), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [1, 9, 40])
+def test_sliding_window(kernels, window):
+    """A query at position p sees keys p - window < j <= p: decode rows whose window starts mid-tile and
+    mid-block, and prefill tiles (a fresh prompt, chunks after context, a decode row in a mixed batch)."""
+    seq_lens = [1, 20, 45, 70]
+    q, k, v, k_cache, v_cache, meta = make_batch([1] * 4, seq_lens, 2, 2, 64, 16)
+    ref = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, SCALE, window)
+    out = kernels.paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE, window)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    q, k, v, k_cache, v_cache, meta = make_batch([37, 18, 1, 4], [37, 50, 33, 70], 2, 2, 64, 16)
+    ref = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, SCALE, window)
+    out = kernels.paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                          meta.seq_lens, meta.max_query_len, SCALE, window)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 @needs_triton
 def test_backend_routes_decode_and_mixed(kernels):
     from asyncengine.layers.attention_triton import TritonAttentionBackend

@@ -1,8 +1,9 @@
 /* Paged attention on the CPU, reading K/V in place from the block-paged cache (no gather copies).
  *
  * For every query row r of sequence i (rows query_start[i] .. query_start[i+1]) and every head h,
- * attends causally over the first  seq_len[i] - q_len[i] + (r - query_start[i]) + 1  cached keys,
- * with an online softmax one cache block at a time.
+ * attends causally over the first  n = seq_len[i] - q_len[i] + (r - query_start[i]) + 1  cached keys
+ * (with a sliding window W > 0: over the last min(n, W) of them), with an online softmax one cache
+ * block at a time.
  *
  * The portable build: one OpenMP task handles one query row and the heads that share a KV head. It
  * walks the keys in cache order, so each key's [head_dim] vector is loaded once for all those heads.
@@ -33,7 +34,7 @@
 int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t *block_tables,             \
          const int32_t *query_start, const int32_t *seq_lens, const uint8_t *skip, int num_seqs,          \
          int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,      \
-         int num_threads) {                                                                             \
+         int window, int num_threads) {                                                                 \
     const int group = num_heads / num_kv_heads;                                                         \
     if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || group > MAX_GROUP) return -1;              \
     const int num_rows = query_start[num_seqs];                                                         \
@@ -58,9 +59,10 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
             m[g] = -INFINITY; s[g] = 0.f;                                                               \
         }                                                                                               \
         const int32_t *table = block_tables + (long)i * max_blocks;                                     \
-        for (int start = 0; start < n_keys; start += block_size) {                                      \
-            const int n = n_keys - start < block_size ? n_keys - start : block_size;                    \
-            const long base = (long)table[start / block_size] * block_size;                             \
+        for (int start = window > 0 && n_keys > window ? n_keys - window : 0, n; start < n_keys; start += n) { \
+            const int off = start % block_size; /* nonzero only where a sliding window starts */         \
+            n = n_keys - start < block_size - off ? n_keys - start : block_size - off;                  \
+            const long base = (long)table[start / block_size] * block_size + off;                       \
             for (int t = 0; t < n; t++) {                                                               \
                 const KT *kp = k_cache + ((base + t) * num_kv_heads + kvh) * head_dim;                  \
                 for (int g = 0; g < group; g++) {                                                       \
@@ -295,7 +297,7 @@ DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, KLOAD16)                                
 int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t *block_tables,             \
          const int32_t *query_start, const int32_t *seq_lens, const uint8_t *skip, int num_seqs,          \
          int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,      \
-         int num_threads) {                                                                             \
+         int window, int num_threads) {                                                                 \
     const int group = num_heads / num_kv_heads;                                                         \
     if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || group > MAX_GROUP) return -1;              \
     const int width = (head_dim + 15) / 16 * 16, sb = (block_size + 15) / 16 * 16;                      \
@@ -309,7 +311,8 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
     int active = 0; /* rows the kernel computes */                                                      \
     for (int i = 0; i < num_seqs; i++) if (!(skip && skip[i])) active += query_start[i + 1] - query_start[i]; \
     const long share = (long)active * num_kv_heads / (4L * num_threads); /* row-heads: a quarter of a thread's */ \
-    const int max_group = share / num_kv_heads > 2 ? (int)(share / num_kv_heads) : 2;                   \
+    /* with a sliding window rows read different leading blocks: no groups */                          \
+    const int max_group = window > 0 ? 1 : share / num_kv_heads > 2 ? (int)(share / num_kv_heads) : 2;  \
     const int num_groups = group_rows(block_tables, query_start, seq_lens, skip, num_seqs, max_blocks,  \
                                       block_size, max_group, row_seq, row_keys, order, groups);         \
     if (num_groups < 0) { free(ints); free(groups); return -2; }                                        \
@@ -385,10 +388,13 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                 const RowState st = row_state(buf, row_floats, j, max_hg, width);                       \
                 QT *qf = (QT *)st.q; float *acc = st.acc, *m = st.m, *s = st.s;                         \
                 const int32_t *table = block_tables + (long)row_seq[row] * max_blocks;                  \
-                for (int start = gr.shared * block_size; start < n_keys; start += block_size) {         \
-                    const int n = n_keys - start < block_size ? n_keys - start : block_size;            \
-                    const long base = ((long)table[start / block_size] * block_size * num_kv_heads + kv0) * head_dim; \
-                    const long next = start + block_size < n_keys                                        \
+                int start = gr.shared * block_size, n; /* shared is 0 with a window */                  \
+                if (window > 0 && n_keys - window > start) start = n_keys - window;                     \
+                for (; start < n_keys; start += n) {                                                    \
+                    const int off = start % block_size; /* nonzero only where a sliding window starts */ \
+                    n = n_keys - start < block_size - off ? n_keys - start : block_size - off;          \
+                    const long base = (((long)table[start / block_size] * block_size + off) * num_kv_heads + kv0) * head_dim; \
+                    const long next = start + n < n_keys                                                \
                         ? ((long)table[start / block_size + 1] * block_size * num_kv_heads + kv0) * head_dim : -1; \
                     NAME##_scores(qf, acc, m, s, scores, k_cache + base, next >= 0 ? k_cache + next : NULL, \
                                   next >= 0 ? v_cache + next : NULL, n, nkv, group, head_dim, width, qw, sb, \

@@ -102,6 +102,48 @@ def test_both_builds_match_reference(dtype, heads, head_dim) -> None:
         torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
+def windowed_brute_force(q, kc, vc, meta, scale, window):
+    """Row by row: the query at position p over keys max(0, p - window + 1) .. p, in float64."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    block_size, group = kc.shape[1], q.shape[1] // kc.shape[2]
+    row = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        slots = [int(meta.block_tables[i, p // block_size]) * block_size + p % block_size for p in range(seq_len)]
+        keys = kc.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [seq_len, H, D]
+        values = vc.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+        for j in range(q_len):
+            pos = seq_len - q_len + j
+            lo = max(0, pos - window + 1)
+            scores = torch.einsum("hd,khd->hk", q[row].double(), keys[lo : pos + 1]) * scale
+            out[row] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[lo : pos + 1])
+            row += 1
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_sliding_window(dtype, window, num_threads) -> None:
+    """Each query sees only its last `window` keys: decode rows (windows starting mid-block), a multi-row
+    kernel chunk, prompt chunks after context (SDPA with a mask) and a fresh prefill, with prefix-shared
+    blocks (which must not be read as a group past a window); both builds, against a brute force."""
+    q, k, v, kc, vc, meta = build_batch([1, 1, 1, 5, 20, 17, 1, 1], [0, 9, 100, 37, 30, 0, 70, 70], 8, 2, 64, 16,
+                                        dtype)
+    meta.block_tables[7, :3] = meta.block_tables[6, :3]  # two sequences sharing a 48-token prefix
+    expected = windowed_brute_force(q, kc, vc, meta, 0.1, window)
+    ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.1, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ref.double(), expected, atol=tol, rtol=tol)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for lib in (load_kernel_library(), load_kernel_library(portable=True)):
+            got = CpuAttentionBackend(lib).forward(q, k, v, kc, vc, meta, 0.1, window)
+            torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def quantize(q, k, v, kc, vc):
     """What the Attention layer does with kv_cache_dtype=fp8_e5m2: caches in e5m2, this step's K/V as stored."""
     e5m2 = torch.float8_e5m2

@@ -20,6 +20,7 @@ from asyncengine.config import layer_range
 from asyncengine.errors import ModelLoadError
 from asyncengine.layers.attention import Attention, AttentionMetadata, forward_context
 from asyncengine.layers.parallel import ParallelContext
+from asyncengine.models.llama import sliding_window_of
 from asyncengine.models.loader import load_model, model_dtype, model_max_len
 from asyncengine.models.registry import MODEL_REGISTRY, resolve_model_class
 
@@ -321,15 +322,23 @@ def test_unsupported_configs_raise() -> None:
                                                           hidden_size=48), ParallelContext(tp_size=2))
 
 
+def test_sliding_window_per_layer_as_hf_applies_it() -> None:
+    mistral = hf_config("mistral", sliding_window=64, num_hidden_layers=3)
+    assert [sliding_window_of(mistral, i) for i in range(3)] == [64, 64, 64]
+    assert sliding_window_of(hf_config("mistral", sliding_window=None), 0) is None
+    # Qwen2: only with use_sliding_window, and only from max_window_layers on ("sliding_attention" layers)
+    assert sliding_window_of(hf_config("qwen2", sliding_window=64), 1) is None
+    qwen2 = hf_config("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1, num_hidden_layers=3)
+    assert [sliding_window_of(qwen2, i) for i in range(3)] == [None, 64, 64]
+    assert sliding_window_of(hf_config("llama"), 0) is None
+
+
 def test_model_max_len_and_dtype() -> None:
     assert model_max_len(hf_config("llama", max_position_embeddings=777)) == 777
     assert model_max_len(hf_config("gpt2", max_position_embeddings=300)) == 300
-    assert model_max_len(hf_config("mistral", max_position_embeddings=8192, sliding_window=4096)) == 4096
+    # a sliding window does not shorten the context: the attention layers apply it
+    assert model_max_len(hf_config("mistral", max_position_embeddings=8192, sliding_window=4096)) == 8192
     assert model_max_len(hf_config("mistral", max_position_embeddings=8192, sliding_window=None)) == 8192
-    assert model_max_len(hf_config("qwen2", max_position_embeddings=8192, sliding_window=1024)) == 8192
-    sliding = hf_config("qwen2", max_position_embeddings=8192, use_sliding_window=True, sliding_window=1024,
-                        max_window_layers=1)
-    assert model_max_len(sliding) == 1024
     assert model_dtype(hf_config("llama")) == torch.float32
     assert model_dtype(hf_config("llama", dtype="bfloat16")) == torch.bfloat16
 
