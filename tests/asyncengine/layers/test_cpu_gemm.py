@@ -16,10 +16,16 @@ pytestmark = pytest.mark.skipif(not cpu_gemm.enabled(), reason="torch built with
 SINGLE = ParallelContext()
 
 
+@pytest.fixture
+def pack_small_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests use small layers; float32 ones that small stay plain unless the threshold is lifted."""
+    monkeypatch.setattr(cpu_gemm, "FP32_PACK_MIN_BYTES", 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 7, 9, 33, 64, 300])  # 7, 9, 33, 300 run padded to a bucket
 @pytest.mark.parametrize("layer_cls,bias", [(ColumnParallelLinear, True), (RowParallelLinear, False)])
-def test_packed_linear_matches_f_linear(dtype, m, layer_cls, bias) -> None:
+def test_packed_linear_matches_f_linear(dtype, m, layer_cls, bias, pack_small_fp32) -> None:
     torch.manual_seed(m)
     layer = layer_cls(96, 80, SINGLE, bias=bias).to(dtype)
     with torch.no_grad():
@@ -46,7 +52,7 @@ def test_row_buckets() -> None:
     assert max((b - m) / m for m, b in enumerate(buckets, 1) if m > 32) <= 1 / 8
 
 
-def test_tied_lm_head_keeps_the_embedding() -> None:
+def test_tied_lm_head_keeps_the_embedding(pack_small_fp32) -> None:
     emb = VocabParallelEmbedding(50, 32, SINGLE)
     head = ParallelLMHead(50, 32, SINGLE)
     with torch.no_grad():
@@ -58,6 +64,18 @@ def test_tied_lm_head_keeps_the_embedding() -> None:
     h = torch.randn(3, 32)
     torch.testing.assert_close(head.compute_logits(h), F.linear(h, w), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(emb(torch.tensor([1, 49])), w[[1, 49]])
+
+
+def test_small_float32_weights_stay_plain() -> None:
+    """Below FP32_PACK_MIN_BYTES a float32 layer keeps its weight and F.linear (cheaper per call);
+    bfloat16 layers of any size, and float32 ones above it, are packed."""
+    small = ColumnParallelLinear(256, 512, SINGLE)  # 0.5 MiB of float32
+    w = small.weight.detach().clone()
+    assert not small.prepack() and small.packed is None and torch.equal(small.weight, w)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(small(x), F.linear(x, w, small.bias))
+    assert ColumnParallelLinear(256, 512, SINGLE).to(torch.bfloat16).prepack()
+    assert ColumnParallelLinear(512, 1024, SINGLE).prepack()  # 2 MiB of float32
 
 
 def test_prepack_skips_other_devices_and_dtypes() -> None:
