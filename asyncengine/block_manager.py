@@ -3,6 +3,10 @@
 A full block is identified by a chained hash: hash(parent block's hash, its token ids), so equal hashes
 mean equal prefixes. Blocks whose reference count drops to zero keep their hash and sit in an LRU free
 list: a later request with the same prefix takes them back; a fresh allocation evicts the oldest.
+A freed block without a hash (a partial last block, or any block with prefix caching off) holds nothing
+to find again, so it goes to the front of the list and is handed out first: cached prefixes live
+longer, and a CPU cache keeps reusing memory it has already touched (its pages were faulted in and
+may still be in cache) instead of faulting in never-used pages (~1 us per 4 KiB page here).
 """
 
 from __future__ import annotations
@@ -124,6 +128,8 @@ class BlockManager:
             assert self.ref_counts[block] >= 0
             if self.ref_counts[block] == 0:
                 self.free[block] = None
+                if self.block_hash[block] is None:  # nothing to find again: reuse it first
+                    self.free.move_to_end(block, last=False)
         seq.block_ids = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

@@ -68,6 +68,32 @@ def test_eviction_reuses_lru_cached_blocks() -> None:
     assert c.num_computed_tokens == 0
 
 
+def test_blocks_without_a_hash_are_reused_before_cached_ones_are_evicted() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq(list(range(10)))  # two full blocks (cached) and a partial one
+    bm.allocate(a, 10)
+    a.num_computed_tokens = 10
+    bm.register_computed(a)
+    partial = a.block_ids[2]
+    bm.free_seq(a)
+    b = seq([50] * 3)
+    assert bm.allocate(b, 3) and b.block_ids == [partial]  # the hashless block first, not a fresh one
+    c = seq([60] * 3)
+    assert bm.allocate(c, 3) and bm.block_hash[c.block_ids[0]] is None  # then the never-used block
+    d = seq(list(range(9)))
+    bm.match_prefix(d)
+    assert d.num_computed_tokens == 8  # the cached prefix survived both allocations
+
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    e = seq(list(range(8)))
+    bm.allocate(e, 8)
+    used = list(e.block_ids)
+    bm.free_seq(e)
+    f = seq(list(range(8)))
+    bm.allocate(f, 8)
+    assert sorted(f.block_ids) == sorted(used)  # without prefix caching: the same, touched blocks again
+
+
 def test_scheduler_budget_chunks_prompts() -> None:
     bm = BlockManager(num_blocks=64, block_size=4)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=10, max_model_len=256)
