@@ -41,7 +41,13 @@ class LlamaOptions:
 def sliding_window_of(hf_config: Any, layer: int) -> int | None:
     """The layer's attention window, as HF applies it: Mistral's `sliding_window` on every layer;
     with `layer_types` (Qwen2/3, where use_sliding_window=False leaves sliding_window None) only on
-    the "sliding_attention" layers."""
+    the "sliding_attention" layers.
+
+    NOTE: a Llama config.json may carry `sliding_window` too. HF's Llama mask ignores it, but
+    `generate` builds its cache from the config and keeps only the window's keys, so HF's decode steps
+    are windowed while its prefill is not. Applying the window throughout matches `generate` whenever
+    the prompt fits in the window; a longer prompt's prefill differs (HF's own forward and generate
+    disagree there)."""
     window = getattr(hf_config, "sliding_window", None)
     if not window or getattr(hf_config, "use_sliding_window", True) is False:
         return None

@@ -117,3 +117,15 @@ def test_logprobs_match_hf_log_softmax(tiny_model_factory, llm_factory) -> None:
             assert abs(lps[t].logprob - v) < 1e-4
         total += row[token].item()
     assert abs(completion.cumulative_logprob - total) < 1e-3
+
+
+
+def test_llama_with_a_sliding_window_key_matches_hf_generate(tiny_model_factory, llm_factory) -> None:
+    """HF's Llama has no window in its attention mask, but `generate` builds its cache from the config
+    and keeps only a window of keys per layer when config.json carries `sliding_window`: decode steps
+    are windowed. The window applies here too, so outputs that run past it match (prompts within it)."""
+    model = tiny_model_factory("llama", sliding_window=24)
+    prompts = [p for p in make_prompts(512, seed=4) if len(p) <= 24]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm_factory(model).generate(prompts, params)]
+    assert got == hf_greedy(model, prompts, 40)
