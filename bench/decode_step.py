@@ -14,20 +14,26 @@ steps. Per dtype it prints
 * the floor those bytes set at the streaming-read rate measured in the same run (torch.sum over 1 GiB)
   and the step's share of it ("bandwidth efficiency");
 * a split of the step from torch.profiler: oneDNN linear layers, other torch ops, and the rest
-  (the C attention kernel and the fused C ops, which the profiler does not see, plus Python).
+  (the C attention kernel and the fused C ops, which the profiler does not see, plus Python);
+* a second split by wall time, each entry point of the step wrapped in a timer for a few more steps
+  (packed and plain GEMMs, the C attention kernel, the KV write, RMSNorm, rotary, SiLU-and-mul, the
+  greedy pick, the step's input preparation); "rest" is Python, the embedding and small torch ops.
 Writes bench/out/decode_step.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from common import (
     OUT,
     STREAM_BYTES,
@@ -42,12 +48,51 @@ from tqdm import tqdm
 
 import asyncengine  # noqa: F401  (the installed package first)
 from asyncengine.config import EngineConfig
+from asyncengine.layers import cpu_gemm, cpu_ops
 from asyncengine.layers.attention import set_attention_backend
 from asyncengine.layers.attention_cpu import CpuAttentionBackend
 from asyncengine.layers.parallel import ParallelContext
 from asyncengine.transport.wire import SamplingOptions
 from asyncengine.worker.input_batch import SeqState, StepBatch
 from asyncengine.worker.model_runner import ModelRunner
+
+# (owner, attribute, label): the step's entry points, each looked up where it is called (module or class
+# attribute), so replacing the attribute times every call
+ENTRY_POINTS: list[tuple[Any, str, str]] = [
+    (cpu_gemm, "linear", "packed GEMM"),
+    (F, "linear", "plain GEMM"),
+    (CpuAttentionBackend, "_run_kernel", "attention kernel"),
+    (cpu_ops, "write_kv", "KV write"),
+    (cpu_ops, "rms_norm", "RMSNorm"),
+    (cpu_ops, "rotary", "rotary"),
+    (cpu_ops, "silu_and_mul", "SiLU"),
+    (cpu_ops, "argmax_rows", "argmax"),
+    (ModelRunner, "prepare_model_input", "prepare"),
+]
+
+
+@contextlib.contextmanager
+def timed_entry_points() -> Iterator[dict[str, float]]:
+    """Wraps every ENTRY_POINTS callable in a wall-clock timer; yields label -> seconds (summed)."""
+    spent: dict[str, float] = {label: 0.0 for *_, label in ENTRY_POINTS}
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in ENTRY_POINTS]
+
+    def timer(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - t0
+        return call
+
+    for (owner, name, fn), (*_, label) in zip(saved, ENTRY_POINTS):
+        setattr(owner, name, timer(fn, label))
+    try:
+        yield spent
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def measure(model: Path, dtype: str, kv_dtype: str, batch: int, context: int, steps: int) -> dict[str, Any]:
@@ -90,6 +135,13 @@ def measure(model: Path, dtype: str, kv_dtype: str, batch: int, context: int, st
         for k in range(prof_steps):
             step(k)
         prof_seconds = (time.perf_counter() - t1) / prof_steps
+    with timed_entry_points() as spent:
+        t2 = time.perf_counter()
+        for k in range(prof_steps):
+            step(k)
+        timed_seconds = (time.perf_counter() - t2) / prof_steps
+    breakdown = {label: s / prof_steps * 1e3 for label, s in spent.items()}
+    breakdown["rest"] = timed_seconds * 1e3 - sum(breakdown.values())
     linear = other = 0.0
     for ev in prof.key_averages():
         us = ev.self_cpu_time_total / prof_steps
@@ -105,7 +157,8 @@ def measure(model: Path, dtype: str, kv_dtype: str, batch: int, context: int, st
     kv = runner.kv_bytes_per_block / cfg.block_size * ctx * batch
     return {"dtype": dtype, "kv_cache_dtype": kv_dtype, "ms": seconds * 1e3, "tok_s": batch / seconds, "weight_bytes": weights + packed,
             "kv_bytes": kv, "linear_ms": linear / 1e3, "other_ops_ms": other / 1e3,
-            "rest_ms": prof_seconds * 1e3 - (linear + other) / 1e3, "prof_ms": prof_seconds * 1e3}
+            "rest_ms": prof_seconds * 1e3 - (linear + other) / 1e3, "prof_ms": prof_seconds * 1e3,
+            "timed_ms": timed_seconds * 1e3, "breakdown_ms": breakdown}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{rate / 1e9:.1f} GB/s; {load_line(info)}")
     print(table(["dtype", "KV dtype", "ms/step", "tok/s", "weights MiB", "K/V MiB", "read floor ms", "bandwidth eff. %",
                  "linear ms", "other torch ops ms", "C kernels + Python ms"], rows))
+    labels = list(results[0]["breakdown_ms"]) if results else []
+    print("\nwhere the step goes, wall ms per step (each entry point timed; their sum and \"rest\" make the step):")
+    print(table(["dtype", "KV dtype", "step", *labels],
+                [[r["dtype"], r["kv_cache_dtype"], r["timed_ms"], *(r["breakdown_ms"][k] for k in labels)] for r in results]))
     write_json(args.out, {"machine": info, "args": vars(args) | {"out": str(args.out)}, "read_rate": rate,
                           "results": results})
     print(f"wrote {args.out}")
