@@ -16,8 +16,14 @@ static inline float store_f32(float x) { return x; }
 static inline float round_f32(float x) { return x; }
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
-
-/* out[r] = T(silu(gate)) * up for x[r] = [gate | up], each `inter` wide. */
+/* Both builds (AVX-512 below, portable C after #else) define the same three ops:
+ * rms_norm: out = weight * T(x' * rsqrt(mean(x'^2) + eps)), x' = T(x + residual) (also stored in
+ *   residual_out) or x when residual is NULL. Rows of x are x_stride elements apart; everything else
+ *   is contiguous.
+ * rotary: the rotate-half (NeoX) embedding of `heads` heads per row: for the first 2 * half dims of a
+ *   head, [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]; the rest is copied. x rows are x_stride
+ *   elements apart; out is contiguous [rows, heads * head_dim]; cos, sin are [rows, half] in T.
+ * silu_and_mul: out[r] = T(silu(gate)) * up for x[r] = [gate | up], each `inter` wide. */
 #ifdef HAVE_AVX512
 static inline __m512 ld16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 static inline __m512 ld16_bf16(const uint16_t *p, __mmask16 m) { return load16_bf16(p, m); }
@@ -35,9 +41,7 @@ static inline void st16_bf16(uint16_t *p, __m512 x, __mmask16 m) {
     _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(x)));
 }
 
-/* out = weight * T(x' * rsqrt(mean(x'^2) + eps)), x' = T(x + residual) (also stored in residual_out)
- * or x when residual is NULL. Rows of x are x_stride elements apart; everything else is contiguous.
- * 16 lanes at a time: gcc does not vectorise the scalar bfloat16 rounding (its NaN branch), and the
+/* 16 lanes at a time: gcc does not vectorise the scalar bfloat16 rounding (its NaN branch), and the
  * scalar loop took ~1 ns an element (50 us for a [64, 768] decode step's norm, 25 of them a step). */
 #define DEFINE_OPS(SUF, T, LOAD, STORE, ROUND)                                                          \
 void rms_norm_##SUF(const T *x, long x_stride, const T *residual, const T *weight, T *out,               \
@@ -68,9 +72,6 @@ void rms_norm_##SUF(const T *x, long x_stride, const T *residual, const T *weigh
     }                                                                                                   \
 }                                                                                                       \
                                                                                                         \
-/* Rotary embedding (rotate-half / NeoX layout) of `heads` heads per row: for the first 2 * half dims  \
- * of a head, [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]; the rest is copied. x rows are x_stride  \
- * elements apart; out is contiguous [rows, heads * head_dim]; cos, sin are [rows, half] in T. */       \
 void rotary_##SUF(const T *x, long x_stride, const T *cos, const T *sin, T *out, int rows, int heads,  \
                   int head_dim, int half, int num_threads) {                                            \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * heads * head_dim >= PAR_MIN)") \
@@ -93,9 +94,6 @@ void rotary_##SUF(const T *x, long x_stride, const T *cos, const T *sin, T *out,
     }                                                                                                   \
 }
 
-DEFINE_OPS(f32, float, load_f32, store_f32, round_f32)
-DEFINE_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
-
 #define DEFINE_SILU(SUF, T, LOAD, STORE, ROUND)                                                         \
 void silu_and_mul_##SUF(const T *x, T *out, int rows, int inter, int num_threads) {                     \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * inter >= 4 * PAR_MIN)") \
@@ -113,8 +111,6 @@ void silu_and_mul_##SUF(const T *x, T *out, int rows, int inter, int num_threads
 }
 #else
 #define DEFINE_OPS(SUF, T, LOAD, STORE, ROUND)                                                          \
-/* out = weight * T(x' * rsqrt(mean(x'^2) + eps)), x' = T(x + residual) (also stored in residual_out)   \
- * or x when residual is NULL. Rows of x are x_stride elements apart; everything else is contiguous. */ \
 void rms_norm_##SUF(const T *x, long x_stride, const T *residual, const T *weight, T *out,               \
                     T *residual_out, int rows, int hidden, float eps, int num_threads) {                 \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * hidden >= PAR_MIN)") \
@@ -142,9 +138,6 @@ void rms_norm_##SUF(const T *x, long x_stride, const T *residual, const T *weigh
     }                                                                                                   \
 }                                                                                                       \
                                                                                                         \
-/* Rotary embedding (rotate-half / NeoX layout) of `heads` heads per row: for the first 2 * half dims  \
- * of a head, [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]; the rest is copied. x rows are x_stride  \
- * elements apart; out is contiguous [rows, heads * head_dim]; cos, sin are [rows, half] in T. */       \
 void rotary_##SUF(const T *x, long x_stride, const T *cos, const T *sin, T *out, int rows, int heads,  \
                   int head_dim, int half, int num_threads) {                                            \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * heads * head_dim >= PAR_MIN)") \
@@ -164,9 +157,6 @@ void rotary_##SUF(const T *x, long x_stride, const T *cos, const T *sin, T *out,
     }                                                                                                   \
 }
 
-DEFINE_OPS(f32, float, load_f32, store_f32, round_f32)
-DEFINE_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
-
 #define DEFINE_SILU(SUF, T, LOAD, STORE, ROUND)                                                         \
 void silu_and_mul_##SUF(const T *x, T *out, int rows, int inter, int num_threads) {                     \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * inter >= PAR_MIN)") \
@@ -181,6 +171,8 @@ void silu_and_mul_##SUF(const T *x, T *out, int rows, int inter, int num_threads
 }
 #endif
 
+DEFINE_OPS(f32, float, load_f32, store_f32, round_f32)
+DEFINE_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_SILU(f32, float, load_f32, store_f32, round_f32)
 DEFINE_SILU(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 
