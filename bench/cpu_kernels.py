@@ -9,7 +9,11 @@ Rows (shapes of a decode step of the "medium" bench model: hidden 768, 12 heads 
 * paged attention, one layer: the C kernel (AVX-512 build where the CPU has it, and the portable
   build) vs the PyTorch reference (gather + SDPA). Also GB/s of K/V read. Each timed call reads a
   different layer's cache (12 of them), so the K/V come from memory as in a real step, not from L3.
-* linear layers: oneDNN-packed weights (layers/cpu_gemm.py) vs F.linear, per projection, at M = 64.
+* linear layers: packed weights (layers/cpu_gemm.py: AMX tiles for bfloat16 where the CPU has AMX, else
+  oneDNN) vs F.linear, per projection, at M = 64.
+* bfloat16 GEMM pass: all 12 layers' projections and the LM head (219 MB of distinct weights, so they
+  come from memory as in a step) at M = 1 ... 2048, the AMX kernel (layers/cpu_amx.py) vs oneDNN-packed
+  weights; "speed" is oneDNN's time over the AMX kernel's. Needs an AMX CPU.
 * element-wise: the fused C ops (layers/cpu_ops.py) vs the torch code they replace; the KV-cache write
   (cpu_ops.write_kv vs index_copy_) and the sampler's greedy pick (cpu_ops.argmax_rows on the logits as they are vs argmax).
 * memory: torch.sum over 1 GiB, the streaming-read rate the attention rows' GB/s compare to.
@@ -24,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +36,7 @@ from common import OUT, STREAM_BYTES, load_line, machine_info, stream_read_secon
 from tqdm import tqdm
 
 import asyncengine  # noqa: F401  (the installed package first)
-from asyncengine.layers import cpu_gemm, cpu_ops
+from asyncengine.layers import cpu_amx, cpu_gemm, cpu_ops
 from asyncengine.layers.activation import ActAndMul
 from asyncengine.layers.attention import AttentionMetadata
 from asyncengine.layers.attention_cpu import CpuAttentionBackend, load_kernel_library
@@ -99,6 +104,35 @@ def linear_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
     return rows
 
 
+def gemm_pass_rows(repeat: int) -> list[list[Any]]:
+    if not cpu_amx.available():
+        return []
+    shapes = [(768, 2304), (768, 768), (768, 4096), (2048, 768)] * 12 + [(768, 32000)]  # (in, out)
+    weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for k, n in shapes]
+    amx = [cpu_amx.pack(w) for w in weights]
+    with mock.patch.object(cpu_amx, "pack", lambda weight: None):
+        onednn = [cpu_gemm.prepack(w) for w in weights]
+    del weights
+    mb = sum(p.numel() for p in amx) * 2 / 1e6
+    rows = []
+    for m in (1, 8, 16, 32, 64, 128, 256, 2048):
+        xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in (768, 2048)}
+        reps = max(3, repeat // 6) if m <= 256 else 3
+
+        def run(packs: list[Any], xs: dict[int, torch.Tensor] = xs) -> None:
+            for (k, _), p in zip(shapes, packs, strict=True):
+                cpu_gemm.linear(xs[k], p, None)
+
+        # interleaved, the best of three rounds each: the weights' reads are what is measured
+        t_amx = t_dnn = float("inf")
+        for _ in range(3):
+            t_amx = min(t_amx, timeit(lambda i: run(amx), reps))
+            t_dnn = min(t_dnn, timeit(lambda i: run(onednn), reps))
+        rows.append(["GEMM pass bfloat16", f"AMX vs oneDNN, M={m} ({mb:.0f} MB)", t_amx * 1e3, mb / t_amx / 1e3,
+                     t_dnn / t_amx])
+    return rows
+
+
 def elementwise_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
     norm, act = RMSNorm(768).to(dtype), ActAndMul("silu")
     x, r = torch.randn(64, 768, dtype=dtype), torch.randn(64, 768, dtype=dtype)
@@ -148,19 +182,21 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     rows: list[list[Any]] = []
     jobs = [(d, kind) for d in (torch.float32, torch.bfloat16) for kind in ("attention", "linear", "element-wise")]
-    jobs.append((torch.float32, "memory"))
+    jobs += [(torch.bfloat16, "gemm pass"), (torch.float32, "memory")]
     for dtype, kind in tqdm(jobs, desc="cpu kernels", unit="group"):
         with torch.inference_mode():
             if kind == "attention":
                 rows += attention_rows(dtype, args.layers, args.repeat)
             elif kind == "linear":
                 rows += linear_rows(dtype, args.repeat)
+            elif kind == "gemm pass":
+                rows += gemm_pass_rows(args.repeat)
             elif kind == "memory":
                 rows += memory_rows(args.repeat)
             else:
                 rows += elementwise_rows(dtype, args.repeat)
     print(f"\n{args.threads} threads; {load_line(info)}")
-    print(table(["group", "variant", "ms", "GB/s or GFLOP/s", "speed vs torch"], rows))
+    print(table(["group", "variant", "ms", "GB/s or GFLOP/s", "speed vs torch (GEMM pass: vs oneDNN)"], rows))
     write_json(args.out, {"machine": info, "threads": args.threads,
                           "rows": [dict(zip(["group", "variant", "ms", "rate", "speedup"], r)) for r in rows]})
     print(f"wrote {args.out}")

@@ -51,6 +51,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.layers import cpu_gemm, cpu_ops
 from asyncengine.layers.attention import set_attention_backend
 from asyncengine.layers.attention_cpu import CpuAttentionBackend
+from asyncengine.layers.cpu_amx import AmxWeight
 from asyncengine.layers.parallel import ParallelContext
 from asyncengine.transport.wire import SamplingOptions
 from asyncengine.worker.input_batch import SeqState, StepBatch
@@ -152,7 +153,7 @@ def measure(model: Path, dtype: str, kv_dtype: str, batch: int, context: int, st
     elem = torch.empty((), dtype=torch_dtype).element_size()
     weights = sum(p.numel() for n, p in runner.model.named_parameters() if "embed_tokens" not in n) * elem
     packed = sum(m.packed.numel() * elem for m in runner.model.modules()
-                 if isinstance(getattr(m, "packed", None), torch.Tensor))
+                 if isinstance(getattr(m, "packed", None), (torch.Tensor, AmxWeight)))
     ctx = context + 2 + steps / 2  # mean context over the timed steps
     kv = runner.kv_bytes_per_block / cfg.block_size * ctx * batch
     return {"dtype": dtype, "kv_cache_dtype": kv_dtype, "ms": seconds * 1e3, "tok_s": batch / seconds, "weight_bytes": weights + packed,

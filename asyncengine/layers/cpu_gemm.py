@@ -1,4 +1,5 @@
-"""The linear layers' GEMMs on CPU, with each weight reordered once into oneDNN's blocked layout.
+"""The linear layers' GEMMs on CPU, with each weight reordered once: bfloat16 into AMX tiles where the CPU
+has AMX (layers/cpu_amx.py, faster at a decode step's M), otherwise into oneDNN's blocked layout.
 
 `F.linear` hands MKL / oneDNN a plain row-major weight, and for the small-M GEMMs of a decode step
 (M = the batch) the library re-packs the whole weight on every call: profiled at ~12% of a float32
@@ -6,10 +7,10 @@ decode step (mkl `sgemm_scopy_right48`), i.e. one extra pass over every weight p
 load time removes it. Measured on this machine's 2 cores (K=768, N=4096): float32 M=7..64 20-50%
 faster, M=2048 equal, M=1 ~15% slower; bfloat16 (AMX through oneDNN) 30-40% faster at M <= 64.
 
-The packed tensor is opaque (layout `torch._mkldnn`); a layer that packs its weight keeps only the
-packed copy, so a CPU model holds its weights once.
+The oneDNN tensor is opaque (layout `torch._mkldnn`), the AMX one a flat bfloat16 tensor; a layer that
+packs its weight keeps only the packed copy, so a CPU model holds its weights once.
 
-Rows are padded up to a bucket (`bucket_rows`). oneDNN JIT-compiles and caches one primitive per
+For oneDNN, rows are padded up to a bucket (`bucket_rows`; the AMX kernel takes any M as it is). oneDNN JIT-compiles and caches one primitive per
 (weight shape, M), ~1 ms to build and 0.3-5 MiB to keep (more for larger M), and a serving worker
 sees every M from 1 to the token budget: measured, 256 distinct M on the five GEMM shapes of a 100M
 model grew a process by 3.6 GiB (bfloat16) and 6.3 GiB (float32), and the growth went on past
@@ -24,6 +25,12 @@ from functools import cache
 
 import torch
 from torch import nn
+
+from asyncengine.layers import cpu_amx
+from asyncengine.layers.cpu_amx import AmxWeight
+
+# a packed weight: AMX tiles (bfloat16 on an AMX CPU) or an opaque oneDNN tensor
+PackedWeight = AmxWeight | torch.Tensor
 
 # The M the blocked layout is chosen for. Any M works with it; 64..2048 measured alike, 1 was worse.
 BATCH_HINT = 128
@@ -41,11 +48,19 @@ def enabled() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """[out, in] weight -> its oneDNN-packed copy, or None where packing does not apply."""
+def prepack(weight: torch.Tensor) -> PackedWeight | None:
+    """[out, in] weight -> its packed copy (AMX tiles for bfloat16 where the CPU has AMX, else oneDNN's
+    layout), or None where packing does not apply. One copy either way: at the M of a prefill chunk oneDNN
+    is ~20% faster than the AMX kernel, but keeping both would double the weights' memory."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2:
         return None
-    if not weight.numel() or not enabled():
+    if not weight.numel() or os.environ.get("ASYNCENGINE_CPU_PREPACK", "1") == "0":
+        return None
+    with torch.no_grad():
+        amx = cpu_amx.pack(weight)  # None unless bfloat16 on an AMX CPU
+        if amx is not None:
+            return amx
+    if not enabled():
         return None
     if weight.dtype == torch.float32 and weight.numel() * weight.element_size() < FP32_PACK_MIN_BYTES:
         return None
@@ -64,8 +79,10 @@ def bucket_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """[T, in] -> [T, out]: x W^T + b with a weight from `prepack`, at a bucketed row count."""
+def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """[T, in] -> [T, out]: x W^T + b with a weight from `prepack` (oneDNN: at a bucketed row count)."""
+    if isinstance(packed, AmxWeight):
+        return cpu_amx.linear(x, packed, bias)  # any M: no primitives to cache
     rows = x.shape[0]
     padded = bucket_rows(rows) if x.dim() == 2 else rows
     if padded != rows:

@@ -60,7 +60,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocabulary; each rank computes its vocab slice, then all-gather."""
 
-    packed: torch.Tensor | None = None  # the weight in oneDNN's layout, on CPU (layers/cpu_gemm.py)
+    packed: cpu_gemm.PackedWeight | None = None  # the weight packed for CPU GEMMs (layers/cpu_gemm.py)
     tied = False
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:

@@ -62,7 +62,7 @@ class _ParallelLinear(nn.Module):
         self.parallel = parallel
         self.in_per_rank, self.out_per_rank = in_per_rank, out_per_rank
         self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank), requires_grad=False)
-        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout, on CPU (layers/cpu_gemm.py)
+        self.packed: cpu_gemm.PackedWeight | None = None  # the weight packed for CPU GEMMs (layers/cpu_gemm.py)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
         if bias:
@@ -73,7 +73,7 @@ class _ParallelLinear(nn.Module):
         raise NotImplementedError
 
     def prepack(self) -> bool:
-        """Swaps the weight for its oneDNN-packed copy where that applies (CPU, after loading)."""
+        """Swaps the weight for its packed copy (cpu_gemm.prepack) where that applies (CPU, after loading)."""
         self.packed = cpu_gemm.prepack(self.weight)
         if self.packed is not None:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy is the only one

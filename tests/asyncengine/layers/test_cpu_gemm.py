@@ -1,4 +1,5 @@
-"""oneDNN-packed linear layers on CPU: same results as F.linear, and the original weight is released."""
+"""Packed linear layers on CPU (oneDNN, and AMX tiles for bfloat16 where the CPU has AMX): same results as
+F.linear, and the original weight is released. The AMX kernel itself: test_cpu_amx.py."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncengine.layers import cpu_gemm
+from asyncengine.layers import cpu_amx, cpu_gemm
 from asyncengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncengine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from asyncengine.layers.parallel import ParallelContext
@@ -22,10 +23,20 @@ def pack_small_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_gemm, "FP32_PACK_MIN_BYTES", 0)
 
 
+@pytest.fixture(params=["amx", "onednn"])
+def bf16_packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """bfloat16 weights go to AMX tiles where the CPU has AMX; "onednn" keeps them on oneDNN's path."""
+    if request.param == "onednn":
+        monkeypatch.setattr(cpu_amx, "pack", lambda weight: None)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 7, 9, 33, 64, 300])  # 7, 9, 33, 300 run padded to a bucket
+@pytest.mark.parametrize("m", [1, 7, 9, 33, 64, 300])  # 7, 9, 33, 300 run padded to a bucket (oneDNN)
 @pytest.mark.parametrize("layer_cls,bias", [(ColumnParallelLinear, True), (RowParallelLinear, False)])
-def test_packed_linear_matches_f_linear(dtype, m, layer_cls, bias, pack_small_fp32) -> None:
+def test_packed_linear_matches_f_linear(dtype, m, layer_cls, bias, pack_small_fp32, bf16_packing) -> None:
+    if dtype == torch.float32 and bf16_packing == "amx":
+        pytest.skip("float32 is always oneDNN's")
     torch.manual_seed(m)
     layer = layer_cls(96, 80, SINGLE, bias=bias).to(dtype)
     with torch.no_grad():
@@ -36,6 +47,8 @@ def test_packed_linear_matches_f_linear(dtype, m, layer_cls, bias, pack_small_fp
     x = torch.randn(m, 96, dtype=dtype)
     assert layer.prepack()
     assert layer.weight.numel() == 0 and layer.packed is not None  # one copy of the weight, the packed one
+    on_amx = dtype == torch.bfloat16 and bf16_packing == "amx" and cpu_amx.available()
+    assert isinstance(layer.packed, cpu_amx.AmxWeight) == on_amx
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     y = layer(x)
     assert y.shape == (m, 80) and y.is_contiguous()
@@ -70,6 +83,8 @@ def test_small_float32_weights_stay_plain() -> None:
     """Below FP32_PACK_MIN_BYTES a float32 layer keeps its weight and F.linear (cheaper per call);
     bfloat16 layers of any size, and float32 ones above it, are packed."""
     small = ColumnParallelLinear(256, 512, SINGLE)  # 0.5 MiB of float32
+    with torch.no_grad():
+        small.weight.normal_()  # not torch.empty's garbage: a NaN there would make torch.equal fail
     w = small.weight.detach().clone()
     assert not small.prepack() and small.packed is None and torch.equal(small.weight, w)
     x = torch.randn(3, 256)

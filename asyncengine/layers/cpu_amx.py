@@ -1,0 +1,106 @@
+"""bfloat16 linear layers on Intel AMX through csrc/amx_gemm.c, with the weight packed once into AMX tiles.
+
+oneDNN (layers/cpu_gemm.py) reads the weights of a decode step's GEMMs at ~19-22 GB/s on this machine and
+does not overlap its AMX arithmetic with those reads; the kernel here streams them at 26-32 GB/s with
+software prefetch. Measured on the bench's medium model (all 12 layers' projections and the LM head, 219 MB,
+cold, 2 threads): M = 1 1.37x, M = 32 1.28x, M = 64 1.18x oneDNN's speed, M = 128 alike; `bench/cpu_kernels.py`
+prints the comparison. Beyond ~128 rows (prefill chunks) oneDNN's blocking wins (M = 2048: 0.8x), which is
+what AMX_MAX_ROWS decides.
+
+A row's output does not depend on the rest of the batch (each output element is accumulated over K in one
+fixed order), unlike oneDNN's, whose kernels change with M.
+
+Used where the CPU has AMX-BF16 and Linux grants the tile state; ASYNCENGINE_CPU_AMX=0 turns it off (A/B).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cache
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from asyncengine.layers.csrc_build import build_library
+
+SOURCE = Path(__file__).parent / "csrc" / "amx_gemm.c"
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+K_ALIGN = 32  # the kernel's K step (one tile row holds 32 bfloat16); other K are zero-padded
+
+
+class AmxWeight(NamedTuple):
+    """A [out, in] bfloat16 weight in AMX tile layout (csrc/amx_gemm.c), zero-padded to in_padded."""
+
+    data: torch.Tensor  # [ceil(out/16) * in_padded/32 * 512] bfloat16
+    out_features: int
+    in_features: int
+    in_padded: int  # in_features rounded up to K_ALIGN
+
+    def numel(self) -> int:
+        return self.data.numel()
+
+
+@cache
+def load_library() -> ctypes.CDLL | None:
+    """The kernel library, or None where it cannot run: no compiler, no AMX-BF16, tiles not granted."""
+    if os.environ.get("ASYNCENGINE_CPU_AMX", "1") == "0":
+        return None
+    lib = build_library(SOURCE)
+    if lib is None:
+        return None
+    lib.amx_available.restype = _I
+    lib.amx_available.argtypes = []
+    lib.amx_packed_size.restype = ctypes.c_size_t
+    lib.amx_packed_size.argtypes = [_I, _I]
+    lib.amx_pack_bf16.restype = None
+    lib.amx_pack_bf16.argtypes = [_P, _P, _I, _I]
+    lib.amx_linear_bf16.restype = _I
+    lib.amx_linear_bf16.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I]
+    return lib if lib.amx_available() else None
+
+
+def available() -> bool:
+    return load_library() is not None
+
+
+def pack(weight: torch.Tensor) -> AmxWeight | None:
+    """[out, in] bfloat16 CPU weight -> its tile-packed copy; None where AMX does not apply."""
+    lib = load_library()
+    if lib is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if not n or not k or n >= 2**31 or k >= 2**31:
+        return None
+    kp = -(-k // K_ALIGN) * K_ALIGN
+    w = F.pad(weight.detach(), (0, kp - k)) if kp != k else weight.detach().contiguous()
+    data = torch.empty(lib.amx_packed_size(n, kp), dtype=torch.bfloat16)
+    lib.amx_pack_bf16(w.data_ptr(), data.data_ptr(), n, kp)
+    return AmxWeight(data, n, k, kp)
+
+
+def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """[T, in] bfloat16 -> [T, out]: x W^T + b, rounded to bfloat16 once."""
+    lib = load_library()
+    assert lib is not None, "an AmxWeight exists only where the library loaded"
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if weight.in_padded != weight.in_features:
+        x2 = F.pad(x2, (0, weight.in_padded - weight.in_features))  # zeros: the padded weight columns are 0 too
+    elif x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.dtype != torch.bfloat16:
+        raise TypeError(f"AMX linear takes bfloat16 activations, got {x2.dtype}")
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    rows = x2.shape[0]
+    out = torch.empty(rows, weight.out_features, dtype=torch.bfloat16)
+    rc = lib.amx_linear_bf16(x2.data_ptr(), x2.stride(0), weight.data.data_ptr(),
+                             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), rows,
+                             weight.out_features, weight.in_padded, torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("AMX linear could not allocate its scratch rows")
+    assert rc == 0, f"amx_linear_bf16 returned {rc}"
+    return out.reshape(*lead, weight.out_features)
