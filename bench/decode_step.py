@@ -14,9 +14,10 @@ steps. Per dtype it prints
 * the floor those bytes set at the streaming-read rate measured in the same run (torch.sum over 1 GiB)
   and the step's share of it ("bandwidth efficiency");
 * a split of the step from torch.profiler: oneDNN linear layers, other torch ops, and the rest
-  (the C attention kernel and the fused C ops, which the profiler does not see, plus Python);
+  (the C attention kernel, the fused C ops and, on an AMX CPU, the bfloat16 GEMMs of layers/cpu_amx.py,
+  which the profiler does not see, plus Python);
 * a second split by wall time, each entry point of the step wrapped in a timer for a few more steps
-  (packed and plain GEMMs, the C attention kernel, the KV write, RMSNorm, rotary, SiLU-and-mul, the
+  (packed GEMMs (oneDNN or AMX) and plain ones, the C attention kernel, the KV write, RMSNorm, rotary, SiLU-and-mul, the
   greedy pick, the step's input preparation); "rest" is Python, the embedding and small torch ops.
 Writes bench/out/decode_step.json.
 """
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmedium model, batch {args.batch}, context ~{args.context}, {args.threads} threads; streaming read "
           f"{rate / 1e9:.1f} GB/s; {load_line(info)}")
     print(table(["dtype", "KV dtype", "ms/step", "tok/s", "weights MiB", "K/V MiB", "read floor ms", "bandwidth eff. %",
-                 "linear ms", "other torch ops ms", "C kernels + Python ms"], rows))
+                 "oneDNN linear ms", "other torch ops ms", "C kernels + Python ms"], rows))
     labels = list(results[0]["breakdown_ms"]) if results else []
     print("\nwhere the step goes, wall ms per step (each entry point timed; their sum and \"rest\" make the step):")
     print(table(["dtype", "KV dtype", "step", *labels],

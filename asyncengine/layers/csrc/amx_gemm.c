@@ -81,6 +81,24 @@ static inline void store_rows(const float *acc, int rows, int cols, uint16_t *ou
                                  (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b)));
 }
 
+/* `rows` rows of two adjacent accumulator tiles + bias -> bfloat16, `cols` <= 32 columns: one 64-byte store
+ * per row (a whole cache line when out is aligned), not two half-line ones. */
+static inline void store_rows2(const float *acc0, const float *acc1, int rows, int cols, uint16_t *out,
+                               long out_stride, const uint16_t *bias) {
+    const __mmask32 mk = cols >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << cols) - 1);
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        const __m512i bb = _mm512_maskz_loadu_epi16(mk, bias);
+        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bb)), 16));
+        b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bb, 1)), 16));
+    }
+    for (int r = 0; r < rows; r++) {
+        const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc0 + r * 16), b0));
+        const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc1 + r * 16), b1));
+        _mm512_mask_storeu_epi16(out + r * out_stride, mk, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+    }
+}
+
 static inline void prefetch_tile(const uint16_t *p, int hint_l2) {
     for (int b = 0; b < 1024; b += 64)
         if (hint_l2) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
@@ -151,6 +169,8 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                         const int g_next = g + 1 < g_end ? g + 1 : r1 < M ? g_begin : -1;
                         const uint16_t *b_next = g_next >= 0 ? packed + (size_t)g_next * 2 * block_stride : NULL;
                         const int next_tiles = g_next >= 0 ? (NB - 2 * g_next < 2 ? NB - 2 * g_next : 2) * KB : 0;
+                        const long steps = (long)chunks * KB;
+                        long pf_acc = 0, pf_tile = 0; /* Bresenham: next_tiles prefetches spread over steps */
                         for (int c = 0; c < chunks; c++) {
                             const int m0 = r0 + 32 * c;
                             const int two = m0 + 16 < r1; /* a second row tile in this chunk */
@@ -161,9 +181,8 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                             for (int kb = 0; kb < KB; kb++) {
                                 const uint16_t *bk = b0 + (size_t)kb * TILE;
                                 if (b_next) { /* evenly over this group's chunks x KB iterations */
-                                    const long it = (long)c * KB + kb, steps = (long)chunks * KB;
-                                    for (long t = it * next_tiles / steps; t < (it + 1) * next_tiles / steps; t++)
-                                        prefetch_tile(b_next + t * TILE, 1);
+                                    for (pf_acc += next_tiles; pf_acc >= steps; pf_acc -= steps)
+                                        prefetch_tile(b_next + (pf_tile++) * TILE, 1);
                                 }
                                 _tile_loadd(4, x0 + kb * 32, s0 * 2);
                                 _tile_loadd(6, bk, 64);
@@ -177,13 +196,11 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                             }
                             _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64);
                             _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
+                            const int n0 = nb0 * 16, cols = N - n0 < 32 ? N - n0 : 32;
                             for (int t = 0; t < 1 + two; t++) {
                                 const int row = m0 + 16 * t, rows = r1 - row < 16 ? r1 - row : 16;
-                                for (int j = 0; j < nbn; j++) {
-                                    const int n0 = (nb0 + j) * 16;
-                                    store_rows(acc[2 * t + j], rows, N - n0 < 16 ? N - n0 : 16,
-                                               out + (long)row * out_stride + n0, out_stride, bias ? bias + n0 : NULL);
-                                }
+                                store_rows2(acc[2 * t], acc[2 * t + 1], rows, cols, out + (long)row * out_stride + n0,
+                                            out_stride, bias ? bias + n0 : NULL);
                             }
                         }
                     }
