@@ -18,6 +18,7 @@ from tiny_models import ARCHITECTURES, build_tiny_model, hf_config, load_hf
 
 from asyncengine.config import layer_range
 from asyncengine.errors import ModelLoadError
+from asyncengine.layers import cpu_gemm
 from asyncengine.layers.attention import Attention, AttentionMetadata, forward_context
 from asyncengine.layers.parallel import ParallelContext
 from asyncengine.models.llama import sliding_window_of
@@ -410,10 +411,15 @@ def test_gpt2_legacy_checkpoint_names(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
-def test_bfloat16_shard_runs_close_to_float32(model_dir: Any, arch: str) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_bfloat16_shard_runs_close_to_float32(model_dir: Any, arch: str, packed: bool) -> None:
+    """bfloat16 logits near HF's float32 ones, with plain weights and with the CPU worker's packed ones
+    (AMX tiles where the CPU has AMX, else oneDNN), as ModelRunner packs them after loading."""
     path = model_dir(arch, arch)
     model = load_model(str(path), ParallelContext(), torch.bfloat16, CPU)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    if packed:
+        assert cpu_gemm.prepack_model(model) > 0
     assert all(b.dtype == torch.float32 for n, b in model.named_buffers() if n.endswith(("cos", "sin")))
     hf = load_hf(path)
     prompts = prompts_for(hf.config.vocab_size)
