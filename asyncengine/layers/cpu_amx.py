@@ -3,9 +3,9 @@
 oneDNN (layers/cpu_gemm.py) reads the weights of a decode step's GEMMs at ~19-22 GB/s on this machine and
 does not overlap its AMX arithmetic with those reads; the kernel here streams them at 26-32 GB/s with
 software prefetch. Measured on the bench's medium model (all 12 layers' projections and the LM head, 219 MB,
-cold, 2 threads): M = 1 1.37x, M = 32 1.28x, M = 64 1.18x oneDNN's speed, M = 128 alike; `bench/cpu_kernels.py`
-prints the comparison. Beyond ~128 rows (prefill chunks) oneDNN's blocking wins (M = 2048: 0.8x), which is
-what AMX_MAX_ROWS decides.
+cold, 2 threads): M = 1 1.35x, M = 32 1.28x, M = 64 1.1-1.2x oneDNN's speed, M = 128 alike; `bench/cpu_kernels.py`
+prints the comparison. At prefill sizes oneDNN stays ahead (the layers' GEMMs at M = 2048: 154 against 125-137
+ms), but only one packed copy of a weight is kept (cpu_gemm.prepack says why).
 
 A row's output does not depend on the rest of the batch (each output element is accumulated over K in one
 fixed order), unlike oneDNN's, whose kernels change with M.

@@ -51,7 +51,8 @@ def enabled() -> bool:
 def prepack(weight: torch.Tensor) -> PackedWeight | None:
     """[out, in] weight -> its packed copy (AMX tiles for bfloat16 where the CPU has AMX, else oneDNN's
     layout), or None where packing does not apply. One copy either way: at the M of a prefill chunk oneDNN
-    is ~20% faster than the AMX kernel, but keeping both would double the weights' memory."""
+    is 10-20% faster than the AMX kernel, but keeping both would double the weights' memory for 1-3% of
+    offline throughput (bench/RESULTS.md)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2:
         return None
     if not weight.numel() or os.environ.get("ASYNCENGINE_CPU_PREPACK", "1") == "0":
