@@ -433,7 +433,8 @@ async def http_stream(client: Any, base_url: str, model: str, prompt_ids: list[i
     import asyncio
 
     body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}  # vLLM's too: token ids in every chunk, for models without a tokenizer
     res = StreamResult(sent=time.perf_counter(), events=[])
 
     async def go() -> None:

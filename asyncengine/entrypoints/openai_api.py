@@ -112,7 +112,7 @@ async def completions(request: Request) -> Response:
     params = req.sampling_params()
     prompts = req.prompts()
     return await _serve(request, state, engine, prompts, params, f"cmpl-{uuid.uuid4().hex}", model,
-                        req.include_usage, _CompletionFormat(engine, req.logprobs is not None))
+                        req.include_usage, _CompletionFormat(engine, req.logprobs is not None, req.return_token_ids))
 
 
 @router.post("/v1/chat/completions")
@@ -182,7 +182,7 @@ async def _events(state: ServerState, slots: int, streams: list, request_id: str
                 completion_tokens += len(c.token_ids)
                 if c.finish_reason is not None:
                     finished.add(index)
-                elif not c.text and not (c.token_ids and fmt.has_logprobs):
+                elif not c.text and not (c.token_ids and (fmt.has_logprobs or fmt.token_ids)):
                     continue  # nothing to show yet (e.g. half a UTF-8 character is held back)
                 yield sse(fmt.chunk(request_id, created, model, index, c))
         if include_usage:
@@ -202,6 +202,7 @@ class _Format:
     """How one endpoint spells its responses; streaming when params ask for deltas."""
 
     has_logprobs = False
+    token_ids = False  # chunks carry token ids (so a chunk with ids and no text yet is still sent)
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -218,9 +219,10 @@ class _Format:
 
 
 class _CompletionFormat(_Format):
-    def __init__(self, engine: AsyncEngine, logprobs: bool) -> None:
+    def __init__(self, engine: AsyncEngine, logprobs: bool, token_ids: bool = False) -> None:
         super().__init__(engine)
         self.has_logprobs = logprobs
+        self.token_ids = token_ids
 
     def _lp(self, index: int, c: CompletionOutput) -> CompletionLogprobs | None:
         if not self.has_logprobs:
@@ -230,8 +232,10 @@ class _CompletionFormat(_Format):
         return lp
 
     def full(self, request_id: str, created: int, model: str, finals: list, n: int) -> CompletionResponse:
+        ids = self.token_ids
         choices = [CompletionChoice(index=i * n + c.index, text=c.text, logprobs=self._lp(i * n + c.index, c),
-                                    finish_reason=c.finish_reason)
+                                    finish_reason=c.finish_reason, token_ids=list(c.token_ids) if ids else None,
+                                    prompt_token_ids=list(out.prompt_token_ids) if ids else None)
                    for i, out in enumerate(finals) for c in out.outputs]
         prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
         completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
@@ -241,7 +245,7 @@ class _CompletionFormat(_Format):
 
     def chunk(self, request_id: str, created: int, model: str, index: int, c: CompletionOutput) -> str:
         choice = CompletionChoice(index=index, text=c.text, logprobs=self._lp(index, c),
-                                  finish_reason=c.finish_reason)
+                                  finish_reason=c.finish_reason, token_ids=list(c.token_ids) if self.token_ids else None)
         return CompletionResponse(id=request_id, created=created, model=model,
                                   choices=[choice]).model_dump_json()
 

@@ -86,6 +86,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's: each choice (and each streamed chunk) also carries its generated token ids, and a full
+    # response the prompt's; what a client of a model without a tokenizer reads, its text being empty
+    return_token_ids: bool = False
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one string, one token-id list, or a batch of either."""
@@ -181,6 +184,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: the generated ids (a chunk's new ones)
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, in a full response
 
 
 class CompletionResponse(BaseModel):

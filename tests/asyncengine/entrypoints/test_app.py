@@ -153,6 +153,38 @@ def test_completions_batch_n_and_stream() -> None:
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
 
 
+class NoTextEngine(FakeEngine):
+    """A model without a tokenizer: token ids, empty text."""
+
+    async def generate(self, prompt: Any, params: SamplingParams, request_id: str):
+        async for out in super().generate(prompt, params, request_id):
+            yield RequestOutput(out.request_id, None, out.prompt_token_ids,
+                                [CompletionOutput(c.index, "", c.token_ids, None, None, c.finish_reason)
+                                 for c in out.outputs], out.finished)
+
+
+def test_completions_return_token_ids() -> None:
+    """vLLM's return_token_ids: ids on every choice and chunk, the prompt's in a full response; a model
+    without a tokenizer then streams its tokens as they come (without it, only the final chunk)."""
+    c = client(NoTextEngine())
+    r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "return_token_ids": True}).json()
+    choice = r["choices"][0]
+    assert choice["text"] == "" and choice["token_ids"] == [0, 1, 2] and choice["prompt_token_ids"] == [7, 7]
+    plain = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}).json()["choices"][0]
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
+
+    def stream(extra: dict[str, Any]) -> list[dict[str, Any]]:
+        with c.stream("POST", "/v1/completions", json={"prompt": [1], "max_tokens": 4, "stream": True, **extra}) as s:
+            lines = [line for line in s.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        return [json.loads(line[6:]) for line in lines[:-1]]
+
+    chunks = stream({"return_token_ids": True})
+    assert [ch["choices"][0]["token_ids"] for ch in chunks] == [[0], [1], [2], [3]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(stream({})) == 1  # empty text and no ids asked for: nothing to send until the end
+
+
 def test_websocket_protocol_errors_keep_the_connection() -> None:
     c = client(FakeEngine(), max_frame_bytes=1000)
     with c.websocket_connect("/v1/ws") as ws:
