@@ -68,8 +68,10 @@ def available() -> bool:
 
 def pack(weight: torch.Tensor) -> AmxWeight | None:
     """[out, in] bfloat16 CPU weight -> its tile-packed copy; None where AMX does not apply."""
-    lib = load_library()
-    if lib is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    lib = load_library()  # only for bfloat16: a float32 worker never builds it nor asks for AMX state
+    if lib is None:
         return None
     n, k = weight.shape
     if not n or not k or n >= 2**31 or k >= 2**31:
