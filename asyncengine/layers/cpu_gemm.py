@@ -11,11 +11,12 @@ The oneDNN tensor is opaque (layout `torch._mkldnn`), the AMX one a flat bfloat1
 packs its weight keeps only the packed copy, so a CPU model holds its weights once.
 
 For oneDNN, rows are padded up to a bucket (`bucket_rows`; the AMX kernel takes any M as it is).
-oneDNN JIT-compiles and caches one primitive per (weight shape, M), ~1 ms to build and 0.3-5 MiB to keep (more for larger M), and a serving worker
-sees every M from 1 to the token budget: measured, 256 distinct M on the five GEMM shapes of a 100M
-model grew a process by 3.6 GiB (bfloat16) and 6.3 GiB (float32), and the growth went on past
-oneDNN's cache capacity. With 58 buckets up to M = 2048 the cache stays bounded. Padding is cheap
-where it happens most: small-M GEMMs stream the weight and cost about the same for 1..16 rows.
+oneDNN JIT-compiles and caches one primitive per (weight shape, M), ~1 ms to build and 0.3-5 MiB to
+keep (more for larger M), and a serving worker sees every M from 1 to the token budget: measured, 256
+distinct M on the five GEMM shapes of a 100M model grew a process by 3.6 GiB (bfloat16) and 6.3 GiB
+(float32), and the growth went on past oneDNN's cache capacity. With 58 buckets up to M = 2048 the
+cache stays bounded. Padding is cheap where it happens most: small-M GEMMs stream the weight and cost
+about the same for 1..16 rows.
 """
 
 from __future__ import annotations
