@@ -7,6 +7,9 @@ cold, 2 threads): M = 1 1.35x, M = 32 1.28x, M = 64 1.1-1.2x oneDNN's speed, M =
 prints the comparison. At prefill sizes oneDNN stays ahead (the layers' GEMMs at M = 2048: 154 against 125-137
 ms), but only one packed copy of a weight is kept (cpu_gemm.prepack says why).
 
+A merged [gate | up] weight can be packed `gated`: the GEMM then returns silu(gate) * up (LlamaMLP.prepack),
+one op less and half the output written; the result is cpu_ops.silu_and_mul's on the plain output, bit for bit.
+
 A row's output does not depend on the rest of the batch (each output element is accumulated over K in one
 fixed order), unlike oneDNN's, whose kernels change with M.
 
@@ -38,6 +41,7 @@ class AmxWeight(NamedTuple):
     out_features: int
     in_features: int
     in_padded: int  # in_features rounded up to K_ALIGN
+    gated: bool = False  # a [gate | up] weight packed for `linear` to return silu(gate) * up, [T, out / 2]
 
     def numel(self) -> int:
         return self.data.numel()
@@ -55,10 +59,11 @@ def load_library() -> ctypes.CDLL | None:
     lib.amx_available.argtypes = []
     lib.amx_packed_size.restype = ctypes.c_size_t
     lib.amx_packed_size.argtypes = [_I, _I]
-    lib.amx_pack_bf16.restype = None
-    lib.amx_pack_bf16.argtypes = [_P, _P, _I, _I]
+    for name in ("amx_pack_bf16", "amx_pack_bf16_gated"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [_P, _P, _I, _I]
     lib.amx_linear_bf16.restype = _I
-    lib.amx_linear_bf16.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I]
+    lib.amx_linear_bf16.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I, _I]
     return lib if lib.amx_available() else None
 
 
@@ -66,25 +71,28 @@ def available() -> bool:
     return load_library() is not None
 
 
-def pack(weight: torch.Tensor) -> AmxWeight | None:
-    """[out, in] bfloat16 CPU weight -> its tile-packed copy; None where AMX does not apply."""
+def pack(weight: torch.Tensor, gated: bool = False) -> AmxWeight | None:
+    """[out, in] bfloat16 CPU weight -> its tile-packed copy; None where AMX does not apply.
+    gated: a merged [gate | up] weight (out a multiple of 32), packed so that `linear` returns
+    silu(gate) * up, as cpu_ops.silu_and_mul would on the plain output, bit for bit."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     lib = load_library()  # only for bfloat16: a float32 worker never builds it nor asks for AMX state
     if lib is None:
         return None
     n, k = weight.shape
-    if not n or not k or n >= 2**31 or k >= 2**31:
+    if not n or not k or n >= 2**31 or k >= 2**31 or (gated and n % 32):
         return None
     kp = -(-k // K_ALIGN) * K_ALIGN
     w = F.pad(weight.detach(), (0, kp - k)) if kp != k else weight.detach().contiguous()
     data = torch.empty(lib.amx_packed_size(n, kp), dtype=torch.bfloat16)
-    lib.amx_pack_bf16(w.data_ptr(), data.data_ptr(), n, kp)
-    return AmxWeight(data, n, k, kp)
+    (lib.amx_pack_bf16_gated if gated else lib.amx_pack_bf16)(w.data_ptr(), data.data_ptr(), n, kp)
+    return AmxWeight(data, n, k, kp, gated)
 
 
 def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """[T, in] bfloat16 -> [T, out]: x W^T + b, rounded to bfloat16 once."""
+    """[T, in] bfloat16 -> [T, out]: x W^T + b, rounded to bfloat16 once; a gated weight gives
+    [T, out / 2] = silu(gate) * up of that output."""
     lib = load_library()
     assert lib is not None, "an AmxWeight exists only where the library loaded"
     lead = x.shape[:-1]
@@ -98,11 +106,12 @@ def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None) -> tor
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
     rows = x2.shape[0]
-    out = torch.empty(rows, weight.out_features, dtype=torch.bfloat16)
+    width = weight.out_features // 2 if weight.gated else weight.out_features
+    out = torch.empty(rows, width, dtype=torch.bfloat16)
     rc = lib.amx_linear_bf16(x2.data_ptr(), x2.stride(0), weight.data.data_ptr(),
                              bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), rows,
-                             weight.out_features, weight.in_padded, torch.get_num_threads())
+                             weight.out_features, weight.in_padded, torch.get_num_threads(), int(weight.gated))
     if rc == -2:
         raise MemoryError("AMX linear could not allocate its scratch rows")
     assert rc == 0, f"amx_linear_bf16 returned {rc}"
-    return out.reshape(*lead, weight.out_features)
+    return out.reshape(*lead, width)

@@ -70,6 +70,15 @@ def prepack(weight: torch.Tensor) -> PackedWeight | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
 
 
+def prepack_gated(weight: torch.Tensor) -> AmxWeight | None:
+    """A merged [gate | up] weight packed for its GEMM to return silu(gate) * up (cpu_amx.pack(gated=True));
+    None where that does not apply (no AMX, not bfloat16, packing off, an intermediate size not of 16)."""
+    if os.environ.get("ASYNCENGINE_CPU_PREPACK", "1") == "0" or not weight.numel():
+        return None
+    with torch.no_grad():
+        return cpu_amx.pack(weight, gated=True)
+
+
 @cache
 def bucket_rows(rows: int) -> int:
     """The M a GEMM of `rows` rows runs at: 1, 2, 4, 8, then steps of 4 up to 64 and eight buckets per

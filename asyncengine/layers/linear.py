@@ -74,6 +74,8 @@ class _ParallelLinear(nn.Module):
 
     def prepack(self) -> bool:
         """Swaps the weight for its packed copy (cpu_gemm.prepack) where that applies (CPU, after loading)."""
+        if self.packed is not None:  # packed already, by its module (a gated MLP's fused [gate | up])
+            return True
         self.packed = cpu_gemm.prepack(self.weight)
         if self.packed is not None:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy is the only one

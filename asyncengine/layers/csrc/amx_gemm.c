@@ -33,6 +33,7 @@
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include "cpu_common.h" /* exp512: the same SiLU as cpu_ops.c's silu_and_mul */
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -57,19 +58,34 @@ int amx_available(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XF
 
 size_t amx_packed_size(int N, int K) { return (size_t)((N + 15) / 16) * (size_t)(K / 32) * TILE; }
 
+/* Output block `nb` of the packed weight from W's rows first_row .. first_row + 15 (zero past N). */
+static void pack_block(const uint16_t *w, uint16_t *packed, int N, int K, int nb, int first_row) {
+    const int KB = K / 32;
+    for (int kb = 0; kb < KB; kb++) {
+        uint16_t *t = packed + ((size_t)nb * KB + kb) * TILE;
+        for (int r = 0; r < 16; r++)
+            for (int n = 0; n < 16; n++) {
+                const int row = first_row + n;
+                const uint16_t *src = w + (size_t)row * K + kb * 32 + 2 * r;
+                t[r * 32 + n * 2] = row < N ? src[0] : 0;
+                t[r * 32 + n * 2 + 1] = row < N ? src[1] : 0;
+            }
+    }
+}
+
 void amx_pack_bf16(const uint16_t *w, uint16_t *packed, int N, int K) {
-    const int NB = (N + 15) / 16, KB = K / 32;
-    for (int nb = 0; nb < NB; nb++)
-        for (int kb = 0; kb < KB; kb++) {
-            uint16_t *t = packed + ((size_t)nb * KB + kb) * TILE;
-            for (int r = 0; r < 16; r++)
-                for (int n = 0; n < 16; n++) {
-                    const int row = nb * 16 + n;
-                    const uint16_t *src = w + (size_t)row * K + kb * 32 + 2 * r;
-                    t[r * 32 + n * 2] = row < N ? src[0] : 0;
-                    t[r * 32 + n * 2 + 1] = row < N ? src[1] : 0;
-                }
-        }
+    for (int nb = 0; nb < (N + 15) / 16; nb++) pack_block(w, packed, N, K, nb, nb * 16);
+}
+
+/* A merged [gate | up] weight (N = 2 * inter, inter % 16 == 0) with its blocks interleaved, gate block j
+ * then up block j: every group of the kernel then holds matching gate and up accumulators, and
+ * amx_linear_bf16(..., gated = 1) writes silu(gate) * up. */
+void amx_pack_bf16_gated(const uint16_t *w, uint16_t *packed, int N, int K) {
+    const int inter = N / 2;
+    for (int j = 0; j < inter / 16; j++) {
+        pack_block(w, packed, N, K, 2 * j, 16 * j);
+        pack_block(w, packed, N, K, 2 * j + 1, inter + 16 * j);
+    }
 }
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
@@ -115,6 +131,23 @@ static inline void store_rows2(const float *acc0, const float *acc1, int rows, i
     }
 }
 
+/* `rows` rows of a gate and an up accumulator tile (+ their biases) -> 16 columns of T(silu(g)) * u with
+ * g, u the bfloat16 projections: cpu_ops.c's silu_and_mul on the rounded GEMM output, bit for bit. */
+static inline __m512 round_bf16x16(__m512 v) { /* to bfloat16 and back (nearest even; NaN stays NaN) */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+static inline void store_gated(const float *acc_g, const float *acc_u, int rows, uint16_t *out, long out_stride,
+                               const uint16_t *bias_g, const uint16_t *bias_u) {
+    const __m512 bg = bias_g ? load16_bf16(bias_g, 0xFFFF) : _mm512_setzero_ps();
+    const __m512 bu = bias_u ? load16_bf16(bias_u, 0xFFFF) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const __m512 g = round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(acc_g + r * 16), bg));
+        const __m512 u = round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(acc_u + r * 16), bu));
+        const __m512 a = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm256_storeu_si256((__m256i *)(out + r * out_stride), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16x16(a), u)));
+    }
+}
+
 static inline void prefetch_tile(const uint16_t *p, int hint_l2) {
     for (int b = 0; b < 1024; b += 64)
         if (hint_l2) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
@@ -122,9 +155,12 @@ static inline void prefetch_tile(const uint16_t *p, int hint_l2) {
 }
 
 /* x [M, K] with row stride x_stride, out [M, N] with row stride out_stride (elements); bias [N] or NULL.
- * Returns 0, -1 for K not a multiple of 32, -2 when scratch cannot be allocated. */
+ * gated: the weight came from amx_pack_bf16_gated and out is [M, N / 2] = silu(gate) * up.
+ * Returns 0, -1 for K not a multiple of 32 (or a gated N not of 32), -2 when scratch cannot be allocated. */
 int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, const uint16_t *bias,
-                    uint16_t *out, long out_stride, int M, int N, int K, int num_threads) {
+                    uint16_t *out, long out_stride, int M, int N, int K, int num_threads, int gated) {
+    const int inter = N / 2; /* gated: out is [M, inter], bias [gate | up] */
+    if (gated && N % 32) return -1;
     if (K % 32 || K <= 0) return -1;
     if (M <= 0 || N <= 0) return 0;
     const int NB = (N + 15) / 16, KB = K / 32;
@@ -174,7 +210,13 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                     _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
                     for (int j = 0; j < nbn; j++) {
                         const int n0 = (nb0 + j) * 16;
-                        store_rows(acc[j], M, N - n0 < 16 ? N - n0 : 16, out + n0, out_stride, bias ? bias + n0 : NULL);
+                        if (!gated) {
+                            store_rows(acc[j], M, N - n0 < 16 ? N - n0 : 16, out + n0, out_stride, bias ? bias + n0 : NULL);
+                        } else if (j % 2 == 0) { /* blocks j, j + 1: gate and up of output columns o0 .. o0 + 15 */
+                            const int o0 = (nb0 + j) / 2 * 16;
+                            store_gated(acc[j], acc[j + 1], M, out + o0, out_stride, bias ? bias + o0 : NULL,
+                                        bias ? bias + inter + o0 : NULL);
+                        }
                     }
                 }
             } else if (M >= LARGE_M && spill && stage) { /* prefill chunks: K in blocks of KB_BLOCK, so that a group's weight
@@ -226,13 +268,18 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                             const float *sp = spill + (size_t)c * 1024;
                             for (int t = 0; t < 2 && m0 + 16 * t < r1; t++) {
                                 const int row = m0 + 16 * t, rows = r1 - row < 16 ? r1 - row : 16;
-                                store_rows2(sp + 512 * t, sp + 512 * t + 256, rows, cols,
-                                            stage + (size_t)(row - r0) * STAGE_GROUPS * 32 + slot * 32, STAGE_GROUPS * 32,
-                                            bias ? bias + n0 : NULL);
+                                uint16_t *st = stage + (size_t)(row - r0) * STAGE_GROUPS * 32;
+                                if (gated)
+                                    store_gated(sp + 512 * t, sp + 512 * t + 256, rows, st + slot * 16, STAGE_GROUPS * 32,
+                                                bias ? bias + g * 16 : NULL, bias ? bias + inter + g * 16 : NULL);
+                                else
+                                    store_rows2(sp + 512 * t, sp + 512 * t + 256, rows, cols, st + slot * 32,
+                                                STAGE_GROUPS * 32, bias ? bias + n0 : NULL);
                             }
                         }
                         if (slot == STAGE_GROUPS - 1 || g == g_end - 1) {
-                            const int first = (g - slot) * 32, width = n0 + cols - first;
+                            const int first = (g - slot) * (gated ? 16 : 32);
+                            const int width = gated ? (slot + 1) * 16 : n0 + cols - first;
                             for (int row = r0; row < r1; row++)
                                 memcpy(out + (long)row * out_stride + first, stage + (size_t)(row - r0) * STAGE_GROUPS * 32,
                                        (size_t)width * 2);
@@ -280,8 +327,12 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                             const int n0 = nb0 * 16, cols = N - n0 < 32 ? N - n0 : 32;
                             for (int t = 0; t < 1 + two; t++) {
                                 const int row = m0 + 16 * t, rows = r1 - row < 16 ? r1 - row : 16;
-                                store_rows2(acc[2 * t], acc[2 * t + 1], rows, cols, out + (long)row * out_stride + n0,
-                                            out_stride, bias ? bias + n0 : NULL);
+                                if (gated)
+                                    store_gated(acc[2 * t], acc[2 * t + 1], rows, out + (long)row * out_stride + g * 16,
+                                                out_stride, bias ? bias + g * 16 : NULL, bias ? bias + inter + g * 16 : NULL);
+                                else
+                                    store_rows2(acc[2 * t], acc[2 * t + 1], rows, cols, out + (long)row * out_stride + n0,
+                                                out_stride, bias ? bias + n0 : NULL);
                             }
                         }
                     }
@@ -300,10 +351,11 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
 int amx_available(void) { return 0; }
 size_t amx_packed_size(int N, int K) { (void)N; (void)K; return 0; }
 void amx_pack_bf16(const uint16_t *w, uint16_t *packed, int N, int K) { (void)w; (void)packed; (void)N; (void)K; }
+void amx_pack_bf16_gated(const uint16_t *w, uint16_t *packed, int N, int K) { amx_pack_bf16(w, packed, N, K); }
 int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
-                    long out_stride, int M, int N, int K, int num_threads) {
+                    long out_stride, int M, int N, int K, int num_threads, int gated) {
     (void)x; (void)x_stride; (void)packed; (void)bias; (void)out; (void)out_stride; (void)M; (void)N; (void)K;
-    (void)num_threads;
+    (void)num_threads; (void)gated;
     return -3;
 }
 #endif

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncengine.layers import cpu_amx, cpu_gemm
+from asyncengine.layers import cpu_amx, cpu_gemm, cpu_ops
 from asyncengine.layers.csrc_build import build_library
 from asyncengine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from asyncengine.layers.parallel import ParallelContext
@@ -142,3 +142,42 @@ def test_padded_k_matches_f_linear() -> None:
     assert packed is not None and (packed.in_features, packed.in_padded) == (40, 64)
     x = torch.randn(20, 40, generator=g).to(torch.bfloat16)
     torch.testing.assert_close(cpu_amx.linear(x, packed, None).float(), F.linear(x, w).float(), rtol=2**-7, atol=1e-2)
+
+
+@needs_amx
+@pytest.mark.parametrize("k,inter", [(64, 16), (96, 48), (40, 32), (768, 2048)])
+def test_gated_weight_gives_silu_and_mul_bit_for_bit(k: int, inter: int) -> None:
+    """A [gate | up] weight packed gated: the GEMM's epilogue equals cpu_ops.silu_and_mul on the plain GEMM
+    output, bit for bit, in every row regime (one tile, chunks, the K-blocked path with its staging)."""
+    g = torch.Generator().manual_seed(k + inter)
+    w = (torch.randn(2 * inter, k, generator=g) * 0.3).to(torch.bfloat16)
+    b = torch.randn(2 * inter, generator=g).to(torch.bfloat16)
+    plain, gated = cpu_amx.pack(w), cpu_amx.pack(w, gated=True)
+    assert gated is not None and gated.gated
+    for m in ROWS:
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        for bias in (None, b):
+            expected = cpu_ops.silu_and_mul(cpu_amx.linear(x, plain, bias))
+            assert torch.equal(cpu_amx.linear(x, gated, bias), expected), (m, bias is None)
+    assert cpu_amx.pack(torch.randn(2 * 24, 64).to(torch.bfloat16), gated=True) is None  # inter not of 16
+
+
+@needs_amx
+def test_gated_mlp_packs_its_gate_up() -> None:
+    """LlamaMLP.prepack fuses SiLU-and-mul into gate_up's GEMM; the layer's own prepack then keeps it."""
+    from types import SimpleNamespace
+
+    from asyncengine.models.llama import LlamaMLP, LlamaOptions
+
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="silu")
+    mlp = LlamaMLP(cfg, ParallelContext(), LlamaOptions()).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0, 0.1)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = mlp(x)
+        assert cpu_gemm.prepack_model(mlp) > 0 and mlp.fused_act
+        assert mlp.gate_up_proj.packed.gated and mlp.gate_up_proj.weight.numel() == 0
+        got = mlp(x)
+    assert_bf16_close(got, expected.double())
