@@ -42,9 +42,14 @@ BATCH_HINT = 128
 FP32_PACK_MIN_BYTES = 1 << 20
 
 
+def packing_on() -> bool:
+    """ASYNCENGINE_CPU_PREPACK=0 turns every packing off (A/B): layers keep their weights and F.linear."""
+    return os.environ.get("ASYNCENGINE_CPU_PREPACK", "1") != "0"
+
+
 def enabled() -> bool:
-    """oneDNN packing is used when torch was built with it; ASYNCENGINE_CPU_PREPACK=0 turns it off (A/B)."""
-    return (os.environ.get("ASYNCENGINE_CPU_PREPACK", "1") != "0" and torch.backends.mkldnn.is_available()
+    """oneDNN packing is used when torch was built with it and packing is on."""
+    return (packing_on() and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
@@ -56,7 +61,7 @@ def prepack(weight: torch.Tensor) -> PackedWeight | None:
     offline throughput (bench/RESULTS.md)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2:
         return None
-    if not weight.numel() or os.environ.get("ASYNCENGINE_CPU_PREPACK", "1") == "0":
+    if not weight.numel() or not packing_on():
         return None
     with torch.no_grad():
         amx = cpu_amx.pack(weight)  # None unless bfloat16 on an AMX CPU
@@ -73,7 +78,7 @@ def prepack(weight: torch.Tensor) -> PackedWeight | None:
 def prepack_gated(weight: torch.Tensor) -> AmxWeight | None:
     """A merged [gate | up] weight packed for its GEMM to return silu(gate) * up (cpu_amx.pack(gated=True));
     None where that does not apply (no AMX, not bfloat16, packing off, an intermediate size not of 16)."""
-    if os.environ.get("ASYNCENGINE_CPU_PREPACK", "1") == "0" or not weight.numel():
+    if not weight.numel() or not packing_on():
         return None
     with torch.no_grad():
         return cpu_amx.pack(weight, gated=True)

@@ -72,11 +72,13 @@ class _ParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         raise NotImplementedError
 
-    def prepack(self) -> bool:
-        """Swaps the weight for its packed copy (cpu_gemm.prepack) where that applies (CPU, after loading)."""
-        if self.packed is not None:  # packed already, by its module (a gated MLP's fused [gate | up])
+    def prepack(self, gated: bool = False) -> bool:
+        """Swaps the weight for its packed copy (cpu_gemm.prepack) where that applies (CPU, after loading).
+        gated: a merged [gate | up] weight whose GEMM is to return silu(gate) * up (cpu_gemm.prepack_gated);
+        its module asks for that first, and the plain packing then keeps it."""
+        if self.packed is not None:
             return True
-        self.packed = cpu_gemm.prepack(self.weight)
+        self.packed = cpu_gemm.prepack_gated(self.weight) if gated else cpu_gemm.prepack(self.weight)
         if self.packed is not None:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy is the only one
         return self.packed is not None

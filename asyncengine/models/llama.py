@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncengine.layers import cpu_gemm
 from asyncengine.layers.activation import ActAndMul
 from asyncengine.layers.attention import Attention
+from asyncengine.layers.cpu_amx import AmxWeight
 from asyncengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncengine.layers.linear import (
     MergedColumnParallelLinear,
@@ -107,20 +107,16 @@ class LlamaMLP(nn.Module):
         self.act_fn = ActAndMul(cfg.hidden_act)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, parallel, bias=opts.mlp_bias)
 
-    fused_act = False  # gate_up_proj's GEMM applies SiLU-and-mul itself (prepack, on an AMX CPU)
-
     def prepack(self) -> bool:
         """On an AMX CPU, packs the [gate | up] weight so that its GEMM writes silu(gate) * up directly
         (cpu_gemm.prepack_gated): one op less per layer and half the GEMM's output written."""
-        if not self.act_fn.is_silu or self.gate_up_proj.packed is not None:
-            return False
-        packed = cpu_gemm.prepack_gated(self.gate_up_proj.weight)
-        if packed is None:
-            return False
-        self.gate_up_proj.packed = packed
-        self.gate_up_proj.weight.data = torch.empty(0, dtype=self.gate_up_proj.weight.dtype)
-        self.fused_act = True
-        return True
+        return self.act_fn.is_silu and self.gate_up_proj.packed is None and self.gate_up_proj.prepack(gated=True)
+
+    @property
+    def fused_act(self) -> bool:
+        """gate_up_proj's GEMM applies SiLU-and-mul itself."""
+        packed = self.gate_up_proj.packed
+        return isinstance(packed, AmxWeight) and packed.gated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if self.fused_act:

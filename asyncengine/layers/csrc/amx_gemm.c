@@ -154,12 +154,60 @@ static inline void prefetch_tile(const uint16_t *p, int hint_l2) {
         else _mm_prefetch((const char *)p + b, _MM_HINT_T0);
 }
 
+/* One chunk of up to 32 rows of x: two row tiles (the second only when `two`), each with its row stride;
+ * the tile holding M's last rows, when M > 16 is not a multiple of 16, is the zero-padded copy `tail`. */
+typedef struct { const uint16_t *x0, *x1; long stride0, stride1; int two; } RowChunk;
+static inline RowChunk row_chunk(const uint16_t *x, long x_stride, const uint16_t *tail, int tail_row, int K,
+                                 int m0, int r1) {
+    return (RowChunk){m0 == tail_row ? tail : x + (long)m0 * x_stride,
+                      m0 + 16 == tail_row ? tail : x + (long)(m0 + 16) * x_stride,
+                      m0 == tail_row ? K : x_stride, m0 + 16 == tail_row ? K : x_stride, m0 + 16 < r1};
+}
+
+/* The next group's weights prefetched into L2, `tiles` of them spread evenly over `steps` calls of
+ * prefetch_step (Bresenham); `next` NULL: none. */
+typedef struct { const uint16_t *next; long tiles, steps, acc, done; } Prefetch;
+static inline void prefetch_step(Prefetch *pf) {
+    if (!pf || !pf->next) return;
+    for (pf->acc += pf->tiles; pf->acc >= pf->steps; pf->acc -= pf->steps) prefetch_tile(pf->next + (pf->done++) * TILE, 1);
+}
+
+/* Accumulators 0-3 (row tile t, output block j in tile 2t + j) += the chunk's rows times K tiles kb0 .. kb1 - 1
+ * of `nbn` (1 or 2) output blocks starting at b0. */
+static inline void chunk_products(const RowChunk *ch, const uint16_t *b0, int kb0, int kb1, int nbn,
+                                  size_t block_stride, Prefetch *pf) {
+    for (int kb = kb0; kb < kb1; kb++) {
+        const uint16_t *bk = b0 + (size_t)kb * TILE;
+        prefetch_step(pf);
+        _tile_loadd(4, ch->x0 + kb * 32, ch->stride0 * 2);
+        _tile_loadd(6, bk, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (ch->two) { _tile_loadd(5, ch->x1 + kb * 32, ch->stride1 * 2); _tile_dpbf16ps(2, 5, 6); }
+        if (nbn > 1) {
+            _tile_loadd(7, bk + block_stride, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (ch->two) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+/* `rows` rows of a group's two accumulator tiles (a0, a1) -> out: columns `col` .. of the output, which are
+ * col = group * 32 plainly (`cols` of them) or group * 16 gated (a0 gate, a1 up: silu(gate) * up). */
+static inline void store_group(const float *a0, const float *a1, int rows, int cols, uint16_t *out, long out_stride,
+                               const uint16_t *bias, int col, int inter, int gated) {
+    if (gated)
+        store_gated(a0, a1, rows, out, out_stride, bias ? bias + col : NULL, bias ? bias + inter + col : NULL);
+    else
+        store_rows2(a0, a1, rows, cols, out, out_stride, bias ? bias + col : NULL);
+}
+
 /* x [M, K] with row stride x_stride, out [M, N] with row stride out_stride (elements); bias [N] or NULL.
  * gated: the weight came from amx_pack_bf16_gated and out is [M, N / 2] = silu(gate) * up.
  * Returns 0, -1 for K not a multiple of 32 (or a gated N not of 32), -2 when scratch cannot be allocated. */
 int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, const uint16_t *bias,
                     uint16_t *out, long out_stride, int M, int N, int K, int num_threads, int gated) {
     const int inter = N / 2; /* gated: out is [M, inter], bias [gate | up] */
+    const int out_group = gated ? 16 : 32; /* output columns of a 2-block group */
     if (gated && N % 32) return -1;
     if (K % 32 || K <= 0) return -1;
     if (M <= 0 || N <= 0) return 0;
@@ -232,53 +280,34 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                         for (int k0 = 0; k0 < KB; k0 += KB_BLOCK) {
                             const int k1 = KB - k0 < KB_BLOCK ? KB : k0 + KB_BLOCK;
                             for (int c = 0; c < chunks; c++) {
-                                const int m0 = r0 + 32 * c;
-                                const int two = m0 + 16 < r1;
-                                const uint16_t *x0 = m0 == tail_row ? tail : x + (long)m0 * x_stride;
-                                const uint16_t *x1 = m0 + 16 == tail_row ? tail : x + (long)(m0 + 16) * x_stride;
-                                const long st0 = m0 == tail_row ? K : x_stride, st1 = m0 + 16 == tail_row ? K : x_stride;
+                                const RowChunk ch = row_chunk(x, x_stride, tail, tail_row, K, r0 + 32 * c, r1);
                                 float *sp = spill + (size_t)c * 1024;
                                 if (k0 == 0) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
                                 else {
                                     _tile_loadd(0, sp, 64); _tile_loadd(1, sp + 256, 64);
                                     _tile_loadd(2, sp + 512, 64); _tile_loadd(3, sp + 768, 64);
                                 }
-                                for (int kb = k0; kb < k1; kb++) {
-                                    const uint16_t *bk = b0 + (size_t)kb * TILE;
-                                    _tile_loadd(4, x0 + kb * 32, st0 * 2);
-                                    _tile_loadd(6, bk, 64);
-                                    _tile_dpbf16ps(0, 4, 6);
-                                    if (two) { _tile_loadd(5, x1 + kb * 32, st1 * 2); _tile_dpbf16ps(2, 5, 6); }
-                                    if (nbn > 1) {
-                                        _tile_loadd(7, bk + block_stride, 64);
-                                        _tile_dpbf16ps(1, 4, 7);
-                                        if (two) _tile_dpbf16ps(3, 5, 7);
-                                    }
-                                }
+                                chunk_products(&ch, b0, k0, k1, nbn, block_stride, NULL);
                                 _tile_stored(0, sp, 64); _tile_stored(1, sp + 256, 64);
                                 _tile_stored(2, sp + 512, 64); _tile_stored(3, sp + 768, 64);
                             }
                         }
                         /* into the staging rows, flushed to out every STAGE_GROUPS groups: a row's columns of
                          * several groups then go out as one run of lines, not one line per row and group */
-                        const int n0 = nb0 * 16, cols = N - n0 < 32 ? N - n0 : 32;
+                        const int n0 = nb0 * 16, cols = N - n0 < 32 ? N - n0 : 32, col = g * out_group;
                         const int slot = (g - g_begin) % STAGE_GROUPS;
                         for (int c = 0; c < chunks; c++) {
                             const int m0 = r0 + 32 * c;
                             const float *sp = spill + (size_t)c * 1024;
                             for (int t = 0; t < 2 && m0 + 16 * t < r1; t++) {
                                 const int row = m0 + 16 * t, rows = r1 - row < 16 ? r1 - row : 16;
-                                uint16_t *st = stage + (size_t)(row - r0) * STAGE_GROUPS * 32;
-                                if (gated)
-                                    store_gated(sp + 512 * t, sp + 512 * t + 256, rows, st + slot * 16, STAGE_GROUPS * 32,
-                                                bias ? bias + g * 16 : NULL, bias ? bias + inter + g * 16 : NULL);
-                                else
-                                    store_rows2(sp + 512 * t, sp + 512 * t + 256, rows, cols, st + slot * 32,
-                                                STAGE_GROUPS * 32, bias ? bias + n0 : NULL);
+                                store_group(sp + 512 * t, sp + 512 * t + 256, rows, cols,
+                                            stage + (size_t)(row - r0) * STAGE_GROUPS * 32 + slot * out_group,
+                                            STAGE_GROUPS * 32, bias, col, inter, gated);
                             }
                         }
                         if (slot == STAGE_GROUPS - 1 || g == g_end - 1) {
-                            const int first = (g - slot) * (gated ? 16 : 32);
+                            const int first = (g - slot) * out_group;
                             const int width = gated ? (slot + 1) * 16 : n0 + cols - first;
                             for (int row = r0; row < r1; row++)
                                 memcpy(out + (long)row * out_stride + first, stage + (size_t)(row - r0) * STAGE_GROUPS * 32,
@@ -295,44 +324,21 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                         const uint16_t *b0 = packed + (size_t)nb0 * block_stride;
                         /* the weights wanted next: this thread's next group, or its first for the next row block */
                         const int g_next = g + 1 < g_end ? g + 1 : r1 < M ? g_begin : -1;
-                        const uint16_t *b_next = g_next >= 0 ? packed + (size_t)g_next * 2 * block_stride : NULL;
-                        const int next_tiles = g_next >= 0 ? (NB - 2 * g_next < 2 ? NB - 2 * g_next : 2) * KB : 0;
-                        const long steps = (long)chunks * KB;
-                        long pf_acc = 0, pf_tile = 0; /* Bresenham: next_tiles prefetches spread over steps */
+                        Prefetch pf = {g_next >= 0 ? packed + (size_t)g_next * 2 * block_stride : NULL,
+                                       g_next >= 0 ? (NB - 2 * g_next < 2 ? NB - 2 * g_next : 2) * KB : 0,
+                                       (long)chunks * KB, 0, 0};
+                        const int cols = N - nb0 * 16 < 32 ? N - nb0 * 16 : 32, col = g * out_group;
                         for (int c = 0; c < chunks; c++) {
                             const int m0 = r0 + 32 * c;
-                            const int two = m0 + 16 < r1; /* a second row tile in this chunk */
-                            const uint16_t *x0 = m0 == tail_row ? tail : x + (long)m0 * x_stride;
-                            const uint16_t *x1 = m0 + 16 == tail_row ? tail : x + (long)(m0 + 16) * x_stride;
-                            const long s0 = m0 == tail_row ? K : x_stride, s1 = m0 + 16 == tail_row ? K : x_stride;
+                            const RowChunk ch = row_chunk(x, x_stride, tail, tail_row, K, m0, r1);
                             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                            for (int kb = 0; kb < KB; kb++) {
-                                const uint16_t *bk = b0 + (size_t)kb * TILE;
-                                if (b_next) { /* evenly over this group's chunks x KB iterations */
-                                    for (pf_acc += next_tiles; pf_acc >= steps; pf_acc -= steps)
-                                        prefetch_tile(b_next + (pf_tile++) * TILE, 1);
-                                }
-                                _tile_loadd(4, x0 + kb * 32, s0 * 2);
-                                _tile_loadd(6, bk, 64);
-                                _tile_dpbf16ps(0, 4, 6);
-                                if (two) { _tile_loadd(5, x1 + kb * 32, s1 * 2); _tile_dpbf16ps(2, 5, 6); }
-                                if (nbn > 1) {
-                                    _tile_loadd(7, bk + block_stride, 64);
-                                    _tile_dpbf16ps(1, 4, 7);
-                                    if (two) _tile_dpbf16ps(3, 5, 7);
-                                }
-                            }
+                            chunk_products(&ch, b0, 0, KB, nbn, block_stride, &pf);
                             _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64);
                             _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
-                            const int n0 = nb0 * 16, cols = N - n0 < 32 ? N - n0 : 32;
-                            for (int t = 0; t < 1 + two; t++) {
+                            for (int t = 0; t < 1 + ch.two; t++) {
                                 const int row = m0 + 16 * t, rows = r1 - row < 16 ? r1 - row : 16;
-                                if (gated)
-                                    store_gated(acc[2 * t], acc[2 * t + 1], rows, out + (long)row * out_stride + g * 16,
-                                                out_stride, bias ? bias + g * 16 : NULL, bias ? bias + inter + g * 16 : NULL);
-                                else
-                                    store_rows2(acc[2 * t], acc[2 * t + 1], rows, cols, out + (long)row * out_stride + n0,
-                                                out_stride, bias ? bias + n0 : NULL);
+                                store_group(acc[2 * t], acc[2 * t + 1], rows, cols, out + (long)row * out_stride + col,
+                                            out_stride, bias, col, inter, gated);
                             }
                         }
                     }
