@@ -17,10 +17,12 @@
  * Two implementations behind the same symbols, chosen at compile time: an AVX-512 one (x86 with
  * AVX512F/BW/VL) and a portable one that the compiler vectorises as it can. The AVX-512 one widens
  * bf16 K/V in registers (or, with AVX512-BF16, takes bfloat16 q.k with vdpbf16ps: 10% faster where the
- * keys are in cache, as a shared prefix's are), reduces each q.k dot with one horizontal add and then
- * scales it, prefetches the next cache block and takes the softmax exponentials 16 at a time with a
- * polynomial exp (Cephes' expf, ~1 ulp) instead of one libm expf call per key: 2-2.5x the portable
- * one's speed.
+ * keys are in cache, as a shared prefix's are), reduces a key's q.k dots with 16 heads together in one
+ * shuffle tree, runs the online softmax on 16 heads a vector with a polynomial exp (Cephes' expf, ~1 ulp)
+ * instead of one libm expf call per key, splits each 64-byte bf16 V load into its even and odd dims with
+ * two ALU ops, and prefetches the next cache block: 2-2.5x the portable one's speed (the shuffle tree,
+ * the softmax layout and the V split took a bfloat16 layer at batch 64 from 2.47 to 2.32 ms cold and from
+ * 0.87 to 0.74 ms with the keys in cache).
  */
 #include <stdlib.h>
 
@@ -188,13 +190,32 @@ static inline RowState row_state(float *buf, size_t row_floats, int j, int max_h
     return (RowState){q, acc, m, m + max_hg};
 }
 
-/* One row's heads over n keys of one cache block, in two halves: scores = q.k (one horizontal add per
- * key and head) and the online softmax over them (rescaling acc); then acc += p.v. kb/vb: the block's
- * first key at the run's first KV head. k_next/v_next: a block to prefetch (or NULL): a random address
- * the hardware prefetcher cannot guess; its rows are fetched one per key of this block, so the loads
- * overlap with this block's math. Into L2, not L1: a block's K and V (48 KiB at 12 heads of 64 in bfloat16)
- * are L1's size, and L1 holds this block (measured: 2.30 -> 2.25 ms a layer at batch 64). */
-#define DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, KLOAD16)                                                 \
+/* 16 dot-product vectors (16 partial sums each) to one vector whose lane t is the sum of d[t]: a
+ * transpose-and-add tree (45 shuffles and adds instead of 16 horizontal reductions of ~9 each). */
+static inline __m512 hsum16x16(const __m512 d[16]) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++) /* 128-bit lane k: [d2i(4k)+d2i(4k+2), d2i+1(..), d2i(4k+1)+d2i(4k+3), d2i+1(..)] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* lane k: tokens 4i .. 4i+3, each summed over lane k */
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* One row's heads over n keys of one cache block, in two halves: scores = q.k and the online softmax over
+ * them (rescaling acc); then acc += p.v (NAME##_values). Scores are laid out [hg / 16][sb][16]: a key's
+ * dots with 16 heads are reduced together (hsum16x16) into one vector, and the softmax then works on 16
+ * heads a vector, one key at a time. kb/vb: the block's first key at the run's first KV head.
+ * k_next/v_next: a block to prefetch (or NULL): a random address the hardware prefetcher cannot guess; its
+ * rows are fetched one per key of this block, so the loads overlap with this block's math. Into L2, not
+ * L1: a block's K and V (48 KiB at 12 heads of 64 in bfloat16) are L1's size, and L1 holds this block
+ * (measured: 2.30 -> 2.25 ms a layer at batch 64). */
+#define DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32)                                                 \
 static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, float *scores,             \
                                  const KT *kb, const KT *k_next, const KT *v_next, int n, int nkv,        \
                                  int group, int head_dim, int width, int qw, int sb, long kv_stride,      \
@@ -206,86 +227,67 @@ static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, f
                 _mm_prefetch((const char *)(k_next + t * kv_stride) + b, _MM_HINT_T1);                   \
                 _mm_prefetch((const char *)(v_next + t * kv_stride) + b, _MM_HINT_T1);                   \
             }                                                                                           \
-        for (int x = 0; x < hg; x++) { /* x = local KV head * group + query head in its group */        \
-            const KT *kp = kb + t * kv_stride + (x / group) * head_dim;                                  \
-            scores[x * sb + t] = _mm512_reduce_add_ps(QDOT(qf + x * qw, kp, head_dim)) * scale;          \
+        for (int c0 = 0; c0 < hg; c0 += 16) { /* 16 heads' dots with key t, reduced together */        \
+            __m512 d[16];                                                                               \
+            for (int x = 0; x < 16; x++)                                                                \
+                d[x] = c0 + x < hg ? QDOT(qf + (c0 + x) * qw, kb + t * kv_stride + ((c0 + x) / group) * head_dim, head_dim) \
+                                   : _mm512_setzero_ps();                                               \
+            _mm512_store_ps(scores + c0 * sb + t * 16, _mm512_mul_ps(hsum16x16(d), _mm512_set1_ps(scale))); \
         }                                                                                               \
     }                                                                                                   \
-    for (int x = 0; x < hg; x++) { /* online softmax over this block */                                 \
-        float *sc = scores + x * sb;                                                                    \
+    for (int c0 = 0; c0 < hg; c0 += 16) { /* online softmax over this block, 16 heads a vector */       \
+        const __mmask16 hm = mask_upto(hg - c0);                                                        \
+        float *sc = scores + c0 * sb;                                                                   \
         __m512 mx = _mm512_set1_ps(-INFINITY);                                                          \
-        for (int c = 0; c < n; c += 16) mx = _mm512_mask_max_ps(mx, mask_upto(n - c), mx, _mm512_loadu_ps(sc + c)); \
-        const float bm = _mm512_reduce_max_ps(mx);                                                      \
-        if (bm > m[x]) { /* rescale what was accumulated under the old maximum */                       \
-            const float c = m[x] == -INFINITY ? 0.f : expf(m[x] - bm);                                  \
-            s[x] *= c;                                                                                  \
-            for (int j = 0; j < width; j += 16)                                                         \
-                _mm512_store_ps(acc + x * width + j, _mm512_mul_ps(_mm512_load_ps(acc + x * width + j), _mm512_set1_ps(c))); \
-            m[x] = bm;                                                                                  \
+        for (int t = 0; t < n; t++) mx = _mm512_max_ps(mx, _mm512_load_ps(sc + t * 16));                \
+        const __m512 mold = _mm512_maskz_loadu_ps(hm, m + c0);                                          \
+        const __mmask16 grow = _mm512_mask_cmp_ps_mask(hm, mx, mold, _CMP_GT_OQ);                       \
+        const __m512 mnew = _mm512_mask_mov_ps(mold, grow, mx);                                         \
+        __m512 sv = _mm512_maskz_loadu_ps(hm, s + c0);                                                  \
+        if (grow) { /* rescale what was accumulated under the old maximum */                            \
+            __m512 cv = exp512(_mm512_sub_ps(mold, mnew));                                              \
+            cv = _mm512_mask_mov_ps(cv, _mm512_cmp_ps_mask(mold, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), _mm512_setzero_ps()); \
+            sv = _mm512_mask_mul_ps(sv, grow, sv, cv);                                                  \
+            float cs[16];                                                                               \
+            _mm512_storeu_ps(cs, cv);                                                                   \
+            for (__mmask16 g = grow; g; g &= (__mmask16)(g - 1)) {                                      \
+                const int x = c0 + __builtin_ctz(g);                                                    \
+                const __m512 c = _mm512_set1_ps(cs[x - c0]);                                            \
+                for (int j = 0; j < width; j += 16)                                                     \
+                    _mm512_store_ps(acc + x * width + j, _mm512_mul_ps(_mm512_load_ps(acc + x * width + j), c)); \
+            }                                                                                           \
+            _mm512_mask_storeu_ps(m + c0, hm, mnew);                                                    \
         }                                                                                               \
         __m512 sum = _mm512_setzero_ps();                                                               \
-        const __m512 mv = _mm512_set1_ps(m[x]);                                                         \
-        for (int c = 0; c < n; c += 16) {                                                               \
-            const __mmask16 mk = mask_upto(n - c);                                                      \
-            const __m512 p = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + c), mv))); \
-            _mm512_mask_storeu_ps(sc + c, mk, p);                                                       \
+        for (int t = 0; t < n; t++) {                                                                   \
+            const __m512 p = exp512(_mm512_sub_ps(_mm512_load_ps(sc + t * 16), mnew));                  \
+            _mm512_store_ps(sc + t * 16, p);                                                            \
             sum = _mm512_add_ps(sum, p);                                                                \
         }                                                                                               \
-        s[x] += _mm512_reduce_add_ps(sum);                                                              \
+        _mm512_mask_storeu_ps(s + c0, hm, _mm512_add_ps(sv, sum));                                      \
     }                                                                                                   \
 }                                                                                                       \
-static inline void NAME##_values(float *acc, const float *scores, const KT *vb, int n, int nkv, int group, \
-                                 int head_dim, int width, int sb, long kv_stride) {                     \
-    for (int x = 0; x < nkv * group; x++) { /* acc += p . v, 16 dims in a register at a time */        \
-        const float *sc = scores + x * sb;                                                              \
-        const KT *vh = vb + (x / group) * head_dim;                                                     \
-        for (int j = 0; j < width; j += 16) {                                                           \
-            const __mmask16 mk = mask_upto(head_dim - j);                                               \
-            __m512 a = _mm512_load_ps(acc + x * width + j);                                             \
-            for (int t = 0; t < n; t++) a = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), KLOAD16(vh + t * kv_stride + j, mk), a); \
-            _mm512_store_ps(acc + x * width + j, a);                                                    \
-        }                                                                                               \
-    }                                                                                                   \
-}                                                                                                       \
-/* acc += p.v for two or four rows over the same block: each V chunk widened once for all of them.     \
- * Every row adds the same products in the same order as NAME##_values. */                              \
-static inline void NAME##_values2(float *const acc[2], const float *const scores[2], const KT *vb, int n, \
-                                  int nkv, int group, int head_dim, int width, int sb, long kv_stride) { \
+/* acc += p.v for R = 1, 2 or 4 rows over the same block, 32 dims at a time: each V chunk is loaded and  \
+ * widened once for all the rows (VLOAD32: two float32 vectors, lo and hi, in acc's layout; ACC_INDEX    \
+ * maps a dim to its acc slot). Every row adds the same products in the same order whatever R is. */    \
+static inline __attribute__((always_inline)) void NAME##_values(int R, float *const *acc, const float *const *scores, const KT *vb, int n, \
+                                 int nkv, int group, int head_dim, int width, int sb, long kv_stride) { \
     for (int x = 0; x < nkv * group; x++) {                                                             \
         const KT *vh = vb + (x / group) * head_dim;                                                     \
-        const float *s0 = scores[0] + x * sb, *s1 = scores[1] + x * sb;                                 \
-        for (int j = 0; j < width; j += 16) {                                                           \
-            const __mmask16 mk = mask_upto(head_dim - j);                                               \
+        for (int j = 0; j < width; j += 32) {                                                           \
             const long o = (long)x * width + j;                                                         \
-            __m512 a0 = _mm512_load_ps(acc[0] + o), a1 = _mm512_load_ps(acc[1] + o);                    \
+            __m512 lo[4], hi[4];                                                                        \
+            for (int r = 0; r < R; r++) { lo[r] = _mm512_load_ps(acc[r] + o); hi[r] = _mm512_load_ps(acc[r] + o + 16); } \
             for (int t = 0; t < n; t++) {                                                               \
-                const __m512 v = KLOAD16(vh + t * kv_stride + j, mk);                                   \
-                a0 = _mm512_fmadd_ps(_mm512_set1_ps(s0[t]), v, a0);                                     \
-                a1 = _mm512_fmadd_ps(_mm512_set1_ps(s1[t]), v, a1);                                     \
+                __m512 vl, vh2;                                                                         \
+                VLOAD32(vh + t * kv_stride + j, head_dim - j, &vl, &vh2);                               \
+                for (int r = 0; r < R; r++) {                                                           \
+                    const __m512 p = _mm512_set1_ps(scores[r][(x >> 4) * sb * 16 + t * 16 + (x & 15)]);                             \
+                    lo[r] = _mm512_fmadd_ps(p, vl, lo[r]);                                              \
+                    hi[r] = _mm512_fmadd_ps(p, vh2, hi[r]);                                             \
+                }                                                                                       \
             }                                                                                           \
-            _mm512_store_ps(acc[0] + o, a0); _mm512_store_ps(acc[1] + o, a1);                           \
-        }                                                                                               \
-    }                                                                                                   \
-}                                                                                                       \
-static inline void NAME##_values4(float *const acc[4], const float *const scores[4], const KT *vb, int n, \
-                                  int nkv, int group, int head_dim, int width, int sb, long kv_stride) { \
-    for (int x = 0; x < nkv * group; x++) {                                                             \
-        const KT *vh = vb + (x / group) * head_dim;                                                     \
-        const float *s0 = scores[0] + x * sb, *s1 = scores[1] + x * sb, *s2 = scores[2] + x * sb, *s3 = scores[3] + x * sb; \
-        for (int j = 0; j < width; j += 16) {                                                           \
-            const __mmask16 mk = mask_upto(head_dim - j);                                               \
-            const long o = (long)x * width + j;                                                         \
-            __m512 a0 = _mm512_load_ps(acc[0] + o), a1 = _mm512_load_ps(acc[1] + o);                    \
-            __m512 a2 = _mm512_load_ps(acc[2] + o), a3 = _mm512_load_ps(acc[3] + o);                    \
-            for (int t = 0; t < n; t++) {                                                               \
-                const __m512 v = KLOAD16(vh + t * kv_stride + j, mk);                                   \
-                a0 = _mm512_fmadd_ps(_mm512_set1_ps(s0[t]), v, a0);                                     \
-                a1 = _mm512_fmadd_ps(_mm512_set1_ps(s1[t]), v, a1);                                     \
-                a2 = _mm512_fmadd_ps(_mm512_set1_ps(s2[t]), v, a2);                                     \
-                a3 = _mm512_fmadd_ps(_mm512_set1_ps(s3[t]), v, a3);                                     \
-            }                                                                                           \
-            _mm512_store_ps(acc[0] + o, a0); _mm512_store_ps(acc[1] + o, a1);                           \
-            _mm512_store_ps(acc[2] + o, a2); _mm512_store_ps(acc[3] + o, a3);                           \
+            for (int r = 0; r < R; r++) { _mm512_store_ps(acc[r] + o, lo[r]); _mm512_store_ps(acc[r] + o + 16, hi[r]); } \
         }                                                                                               \
     }                                                                                                   \
 }
@@ -293,15 +295,15 @@ static inline void NAME##_values4(float *const acc[4], const float *const scores
 /* One work item = one group of rows and a run of `per` KV heads: all the heads while there are items
  * enough to keep the threads busy (the keys of a cache block are then one contiguous stream), fewer
  * while the largest item would hold more than a quarter of a thread's share of the work. */
-#define DEFINE_AVX512_KERNEL(NAME, T, KT, QT, QLOAD, QDOT, KLOAD16, STORE)                               \
-DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, KLOAD16)                                                          \
+#define DEFINE_AVX512_KERNEL(NAME, T, KT, QT, QLOAD, QDOT, VLOAD32, ACC_INDEX, STORE)                   \
+DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32)                                                          \
 int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t *block_tables,             \
          const int32_t *query_start, const int32_t *seq_lens, const uint8_t *skip, int num_seqs,          \
          int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,      \
          int window, int num_threads) {                                                                 \
     const int group = num_heads / num_kv_heads;                                                         \
     if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || group > MAX_GROUP) return -1;              \
-    const int width = (head_dim + 15) / 16 * 16, sb = (block_size + 15) / 16 * 16;                      \
+    const int width = (head_dim + 31) / 32 * 32, sb = (block_size + 15) / 16 * 16;                      \
     const int qw = width * (int)(sizeof(float) / sizeof(QT)); /* q [hg][qw] as QDOT takes it, in width floats */ \
     const int num_rows = query_start[num_seqs];                                                         \
     if (num_rows <= 0) return 0;                                                                        \
@@ -324,14 +326,14 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                        || (long)biggest * per > share)) per = (per + 1) / 2;                            \
     const int num_chunks = (num_kv_heads + per - 1) / per;                                              \
     const long total = (long)num_groups * num_chunks, kv_stride = (long)num_kv_heads * head_dim;        \
-    const int max_hg = per * group;                                                                     \
+    const int max_hg = per * group, max_hg16 = (max_hg + 15) / 16 * 16;                                  \
     /* one row's q, acc [hg][width]; m, s [hg]; rounded to 16 floats so every row's q and acc stay 64-byte aligned */ \
     const size_t row_floats = ((size_t)max_hg * (2 * width + 2) + 15) / 16 * 16;                      \
     int failed = 0;                                                                                     \
     _Pragma("omp parallel num_threads(num_threads)")                                                    \
     {                                                                                                   \
         /* per thread: the rows' state for the biggest group, then scores [4][hg][sb] */                 \
-        const size_t floats = row_floats * (size_t)biggest + 4 * (size_t)max_hg * sb;                   \
+        const size_t floats = row_floats * (size_t)biggest + 4 * (size_t)max_hg16 * sb;                   \
         float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);               \
         if (!buf) {                                                                                     \
             _Pragma("omp atomic write")                                                                 \
@@ -368,20 +370,20 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                         const RowState st = row_state(buf, row_floats, j, max_hg, width);               \
                         QT *qf = (QT *)st.q; float *acc = st.acc, *m = st.m, *s = st.s;                 \
                         const int pf = j == 0 && next >= 0;                                             \
-                        accs[r] = acc; scs[r] = scores + (size_t)r * max_hg * sb;                       \
+                        accs[r] = acc; scs[r] = scores + (size_t)r * max_hg16 * sb;                       \
                         NAME##_scores(qf, acc, m, s, scs[r], k_cache + base, pf ? k_cache + next : NULL, \
                                       pf ? v_cache + next : NULL, block_size, nkv, group, head_dim, width, qw, sb, \
                                       kv_stride, scale);                                                \
                     }                                                                                   \
                     if (rows == 4)                                                                      \
-                        NAME##_values4(accs, (const float *const *)scs, v_cache + base, block_size, nkv, group, \
-                                       head_dim, width, sb, kv_stride);                                 \
-                    if (rows == 2 || rows == 3)                                                         \
-                        NAME##_values2(accs, (const float *const *)scs, v_cache + base, block_size, nkv, group, \
-                                       head_dim, width, sb, kv_stride);                                 \
-                    if (rows == 1 || rows == 3)                                                         \
-                        NAME##_values(accs[rows - 1], scs[rows - 1], v_cache + base, block_size, nkv, group, \
+                        NAME##_values(4, accs, (const float *const *)scs, v_cache + base, block_size, nkv, group, \
                                       head_dim, width, sb, kv_stride);                                  \
+                    if (rows == 2 || rows == 3)                                                         \
+                        NAME##_values(2, accs, (const float *const *)scs, v_cache + base, block_size, nkv, group, \
+                                      head_dim, width, sb, kv_stride);                                  \
+                    if (rows == 1 || rows == 3)                                                         \
+                        NAME##_values(1, accs + rows - 1, (const float *const *)scs + rows - 1, v_cache + base, block_size, \
+                                      nkv, group, head_dim, width, sb, kv_stride);                      \
                 }                                                                                       \
             }                                                                                           \
             for (int j = 0; j < gr.count; j++) { /* each row's own blocks, then its output */           \
@@ -400,12 +402,12 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                     NAME##_scores(qf, acc, m, s, scores, k_cache + base, next >= 0 ? k_cache + next : NULL, \
                                   next >= 0 ? v_cache + next : NULL, n, nkv, group, head_dim, width, qw, sb, \
                                   kv_stride, scale);                                                    \
-                    NAME##_values(acc, scores, v_cache + base, n, nkv, group, head_dim, width, sb, kv_stride); \
+                    NAME##_values(1, &acc, (const float *const *)&scores, v_cache + base, n, nkv, group, head_dim, width, sb, kv_stride); \
                 }                                                                                       \
                 for (int x = 0; x < hg; x++) {                                                          \
                     T *op = out + ((long)row * num_heads + kv0 * group + x) * head_dim;                 \
                     const float inv = s[x] > 0.f ? 1.f / s[x] : 0.f;                                    \
-                    for (int d = 0; d < head_dim; d++) STORE(op + d, acc[x * width + d] * inv);         \
+                    for (int d = 0; d < head_dim; d++) STORE(op + d, acc[x * width + ACC_INDEX(d)] * inv);         \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
@@ -429,9 +431,31 @@ DEFINE_DOT_F32(dot_f32, float, load16_f32)
 DEFINE_DOT_F32(dot_bf16, uint16_t, load16_bf16)
 DEFINE_DOT_F32(dot_e5m2, uint8_t, load16_e5m2)
 
-DEFINE_AVX512_KERNEL(paged_attention_f32, float, float, float, load_f32, dot_f32, load16_f32, store_f32)
-DEFINE_AVX512_KERNEL(paged_attention_f32_e5m2, float, uint8_t, float, load_f32, dot_e5m2, load16_e5m2, store_f32)
-DEFINE_AVX512_KERNEL(paged_attention_bf16_e5m2, uint16_t, uint8_t, float, bf16_to_f32, dot_e5m2, load16_e5m2, store_bf16)
+/* V as float32, 32 dims at a time (left of them real, the rest zero), in acc's layout. float32 and e5m2:
+ * lo = dims 0-15, hi = 16-31. bfloat16: one 64-byte load split into lo = the even dims (shifted up) and
+ * hi = the odd ones (masked), two ALU ops for 32 values where widening 16 at a time takes six; acc then
+ * holds each 32-dim chunk as [even | odd], undone when the output is stored (acc_index). */
+static inline __mmask16 mask_left(int n) { return n <= 0 ? (__mmask16)0 : mask_upto(n); }
+static inline void vload32_f32(const float *p, int left, __m512 *lo, __m512 *hi) {
+    *lo = _mm512_maskz_loadu_ps(mask_left(left), p);
+    *hi = _mm512_maskz_loadu_ps(mask_left(left - 16), p + 16);
+}
+static inline void vload32_e5m2(const uint8_t *p, int left, __m512 *lo, __m512 *hi) {
+    *lo = load16_e5m2(p, mask_left(left));
+    *hi = load16_e5m2(p + 16, mask_left(left - 16));
+}
+static inline void vload32_bf16(const uint16_t *p, int left, __m512 *lo, __m512 *hi) {
+    const __mmask32 mk = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
+    const __m512i x = _mm512_maskz_loadu_epi16(mk, p);
+    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *hi = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+static inline int acc_plain(int d) { return d; }
+static inline int acc_even_odd(int d) { return (d & ~31) + (d & 1) * 16 + ((d & 31) >> 1); }
+
+DEFINE_AVX512_KERNEL(paged_attention_f32, float, float, float, load_f32, dot_f32, vload32_f32, acc_plain, store_f32)
+DEFINE_AVX512_KERNEL(paged_attention_f32_e5m2, float, uint8_t, float, load_f32, dot_e5m2, vload32_e5m2, acc_plain, store_f32)
+DEFINE_AVX512_KERNEL(paged_attention_bf16_e5m2, uint16_t, uint8_t, float, bf16_to_f32, dot_e5m2, vload32_e5m2, acc_plain, store_bf16)
 #ifdef __AVX512BF16__
 /* bfloat16 query and keys: vdpbf16ps multiplies 32 pairs and adds them in float32 in one instruction,
  * in place of two widenings and two FMAs per 16 elements. The products of two bfloat16 are exact in
@@ -446,9 +470,9 @@ static inline __m512 dot_bf16_dp(const uint16_t *q, const uint16_t *k, int head_
     }
     return dot;
 }
-DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, uint16_t, load_bits, dot_bf16_dp, load16_bf16, store_bf16)
+DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, uint16_t, load_bits, dot_bf16_dp, vload32_bf16, acc_even_odd, store_bf16)
 #else
-DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, float, bf16_to_f32, dot_bf16, load16_bf16, store_bf16)
+DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, float, bf16_to_f32, dot_bf16, vload32_bf16, acc_even_odd, store_bf16)
 #endif
 
 #else /* portable */
