@@ -17,8 +17,9 @@ steps. Per dtype it prints
   (the C attention kernel, the fused C ops and, on an AMX CPU, the bfloat16 GEMMs of layers/cpu_amx.py,
   which the profiler does not see, plus Python);
 * a second split by wall time, each entry point of the step wrapped in a timer for a few more steps
-  (packed GEMMs (oneDNN or AMX) and plain ones, the C attention kernel, the KV write, RMSNorm, rotary, SiLU-and-mul, the
-  greedy pick, the step's input preparation); "rest" is Python, the embedding and small torch ops.
+  (packed GEMMs (oneDNN or AMX) and plain ones, the C attention kernel, the KV write, RMSNorm, rotary,
+  rotary fused with the KV write, SiLU-and-mul, the greedy pick, the step's input preparation); "rest"
+  is Python, the embedding and small torch ops.
 Writes bench/out/decode_step.json.
 """
 
@@ -67,6 +68,7 @@ ENTRY_POINTS: list[tuple[Any, str, str]] = [
     (cpu_ops, "write_kv", "KV write"),
     (cpu_ops, "rms_norm", "RMSNorm"),
     (cpu_ops, "rotary", "rotary"),
+    (cpu_ops, "rope_write_kv", "rotary + KV write"),
     (cpu_ops, "silu_and_mul", "SiLU"),
     (cpu_ops, "argmax_rows", "argmax"),
     (ModelRunner, "prepare_model_input", "prepare"),

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from asyncengine.layers import cpu_ops
+from asyncengine.layers.rotary import apply_rotary
 
 
 @dataclass
@@ -144,12 +145,23 @@ class Attention(nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [num_tokens, rotary_dim / 2]
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        """With `rope`, q and k are rotated here first: on a CPU together with the cache write, in one pass."""
         meta = get_attention_metadata()
+        fused = None
+        if rope is not None:
+            if self.k_cache.numel() and self.k_cache.dtype == q.dtype and q.device.type == "cpu":
+                fused = cpu_ops.rope_write_kv(q, k, v, rope[0], rope[1], self.k_cache, self.v_cache,
+                                              meta.slot_mapping, self.head_dim)
+            if fused is None:
+                q, k = apply_rotary(q, *rope, self.head_dim), apply_rotary(k, *rope, self.head_dim)
+            else:
+                q, k = fused
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.k_cache.numel():
+        if self.k_cache.numel() and fused is None:
             # a float8 cache rounds K/V here, once; the attention below then sees them as stored
             # (.to() to the dtype a tensor already has returns it, uncopied)
             k, v = k.to(self.k_cache.dtype), v.to(self.k_cache.dtype)

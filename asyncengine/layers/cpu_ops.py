@@ -1,5 +1,5 @@
-"""Fused CPU element-wise ops (csrc/cpu_ops.c): RMSNorm (+ residual add), SiLU-and-mul, rotary, and
-the paged KV-cache write.
+"""Fused CPU element-wise ops (csrc/cpu_ops.c): RMSNorm (+ residual add), SiLU-and-mul, rotary, the
+paged KV-cache write, and rotary fused with that write.
 
 Each returns None when it does not apply (not a CPU tensor, a dtype other than float32 / bfloat16,
 no compiler, or ASYNCENGINE_CPU_OPS=0) and the caller runs its PyTorch code instead; the results
@@ -45,6 +45,10 @@ def load_ops_library(portable: bool = False) -> ctypes.CDLL | None:
             fn.argtypes = argtypes
     lib.write_kv.restype = _L
     lib.write_kv.argtypes = [_P, _L, _P, _L, _P, _P, _P, _L, _I, _I]
+    for suffix in _SUFFIX.values():
+        fn = getattr(lib, f"rope_write_kv_{suffix}")
+        fn.restype = _L
+        fn.argtypes = [_P, _L, _P, _L, _P, _L, _P, _P, _P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I]
     return lib
 
 
@@ -156,3 +160,38 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if bad:
         raise IndexError(f"{bad} KV-cache slot(s) outside the cache of {k_cache.shape[0]} blocks")
     return True
+
+
+def rope_write_kv(
+    q: torch.Tensor,  # [T, heads * head_dim], row stride free (a column slice of the qkv projection)
+    k: torch.Tensor,  # [T, kv_heads * head_dim]
+    v: torch.Tensor,  # [T, kv_heads * head_dim]
+    cos: torch.Tensor,  # [T, rotary_dim / 2]
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], same dtype as q
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """rotary(q), rotary(k) -> (q_out, k_out) contiguous, with rotary(k) and v also stored at their cache
+    slots, in one pass: what `rotary` twice and `write_kv` compute. None where it does not apply; IndexError
+    for a slot outside the cache (the rotated q and k are not returned then)."""
+    lib = _lib_for(q, k, v, cos, sin, k_cache, v_cache)
+    if lib is None or any(_rows(x) is None for x in (q, k, v)) or slot_mapping.dtype != torch.int64:
+        return None
+    kv_heads = k_cache.shape[-2]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[-1] != head_dim or \
+            k.shape[1] != kv_heads * head_dim or v.shape[1] != k.shape[1] or q.shape[1] % head_dim:
+        return None
+    cos, sin, slots = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous()
+    rows = q.shape[0]
+    q_out = torch.empty(rows, q.shape[1], dtype=q.dtype)
+    k_out = torch.empty(rows, k.shape[1], dtype=k.dtype)
+    bad = getattr(lib, f"rope_write_kv_{_SUFFIX[q.dtype]}")(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(),
+        sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        slots.data_ptr(), k_cache.numel() // (kv_heads * head_dim), rows, q.shape[1] // head_dim, kv_heads,
+        head_dim, cos.shape[-1], torch.get_num_threads())
+    if bad:
+        raise IndexError(f"{bad} KV-cache slot(s) outside the cache of {k_cache.shape[0]} blocks")
+    return q_out, k_out

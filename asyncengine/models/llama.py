@@ -26,7 +26,7 @@ from asyncengine.layers.linear import (
 )
 from asyncengine.layers.norm import RMSNorm
 from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
-from asyncengine.layers.rotary import RotaryEmbedding, apply_rotary, max_rope_positions
+from asyncengine.layers.rotary import RotaryEmbedding, max_rope_positions
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(1)
             k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(1)
-        q = apply_rotary(q, cos, sin, self.head_dim)
-        k = apply_rotary(k, cos, sin, self.head_dim)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, rope=(cos, sin)))  # rotated there, with the cache write
 
 
 class LlamaMLP(nn.Module):

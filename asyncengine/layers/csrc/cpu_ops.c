@@ -24,6 +24,16 @@ static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
  *   head, [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]; the rest is copied. x rows are x_stride
  *   elements apart; out is contiguous [rows, heads * head_dim]; cos, sin are [rows, half] in T.
  * silu_and_mul: out[r] = T(silu(gate)) * up for x[r] = [gate | up], each `inter` wide. */
+/* rotary over rows: row r of x (x_stride elements apart) -> row r of out, contiguous. */
+#define ROTARY_ROWS(SUF, T)                                                                             \
+void rotary_##SUF(const T *x, long x_stride, const T *cos, const T *sin, T *out, int rows, int heads,  \
+                  int head_dim, int half, int num_threads) {                                            \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * heads * head_dim >= PAR_MIN)") \
+    for (int r = 0; r < rows; r++)                                                                      \
+        rotate_row_##SUF(x + (long)r * x_stride, cos + (long)r * half, sin + (long)r * half,            \
+                         out + (long)r * heads * head_dim, heads, head_dim, half);                      \
+}
+
 #ifdef HAVE_AVX512
 static inline __m512 ld16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 static inline __m512 ld16_bf16(const uint16_t *p, __mmask16 m) { return load16_bf16(p, m); }
@@ -72,27 +82,24 @@ void rms_norm_##SUF(const T *x, long x_stride, const T *residual, const T *weigh
     }                                                                                                   \
 }                                                                                                       \
                                                                                                         \
-void rotary_##SUF(const T *x, long x_stride, const T *cos, const T *sin, T *out, int rows, int heads,  \
-                  int head_dim, int half, int num_threads) {                                            \
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * heads * head_dim >= PAR_MIN)") \
-    for (int r = 0; r < rows; r++) {                                                                    \
-        const T *c = cos + (long)r * half, *s = sin + (long)r * half;                                   \
-        for (int h = 0; h < heads; h++) {                                                               \
-            const T *xh = x + (long)r * x_stride + (long)h * head_dim;                                  \
-            T *oh = out + ((long)r * heads + h) * head_dim;                                             \
-            for (int d = 0; d < half; d += 16) {                                                        \
-                const __mmask16 mk = mask_upto(half - d);                                               \
-                const __m512 x1 = ld16_##SUF(xh + d, mk), x2 = ld16_##SUF(xh + half + d, mk);           \
-                const __m512 cd = ld16_##SUF(c + d, mk), sd = ld16_##SUF(s + d, mk);                    \
-                st16_##SUF(oh + d, _mm512_sub_ps(rnd16_##SUF(_mm512_mul_ps(x1, cd)),                    \
-                                                 rnd16_##SUF(_mm512_mul_ps(x2, sd))), mk);              \
-                st16_##SUF(oh + half + d, _mm512_add_ps(rnd16_##SUF(_mm512_mul_ps(x2, cd)),             \
-                                                        rnd16_##SUF(_mm512_mul_ps(x1, sd))), mk);       \
-            }                                                                                           \
-            for (int d = 2 * half; d < head_dim; d++) oh[d] = xh[d];                                    \
+static inline void rotate_row_##SUF(const T *x, const T *c, const T *s, T *out, int heads, int head_dim, \
+                                    int half) {                                                         \
+    for (int h = 0; h < heads; h++) {                                                                   \
+        const T *xh = x + (long)h * head_dim;                                                           \
+        T *oh = out + (long)h * head_dim;                                                               \
+        for (int d = 0; d < half; d += 16) {                                                            \
+            const __mmask16 mk = mask_upto(half - d);                                                   \
+            const __m512 x1 = ld16_##SUF(xh + d, mk), x2 = ld16_##SUF(xh + half + d, mk);               \
+            const __m512 cd = ld16_##SUF(c + d, mk), sd = ld16_##SUF(s + d, mk);                        \
+            st16_##SUF(oh + d, _mm512_sub_ps(rnd16_##SUF(_mm512_mul_ps(x1, cd)),                        \
+                                             rnd16_##SUF(_mm512_mul_ps(x2, sd))), mk);                  \
+            st16_##SUF(oh + half + d, _mm512_add_ps(rnd16_##SUF(_mm512_mul_ps(x2, cd)),                 \
+                                                    rnd16_##SUF(_mm512_mul_ps(x1, sd))), mk);           \
         }                                                                                               \
+        for (int d = 2 * half; d < head_dim; d++) oh[d] = xh[d];                                        \
     }                                                                                                   \
-}
+}                                                                                                       \
+ROTARY_ROWS(SUF, T)
 
 #define DEFINE_SILU(SUF, T, LOAD, STORE, ROUND)                                                         \
 void silu_and_mul_##SUF(const T *x, T *out, int rows, int inter, int num_threads) {                     \
@@ -138,24 +145,21 @@ void rms_norm_##SUF(const T *x, long x_stride, const T *residual, const T *weigh
     }                                                                                                   \
 }                                                                                                       \
                                                                                                         \
-void rotary_##SUF(const T *x, long x_stride, const T *cos, const T *sin, T *out, int rows, int heads,  \
-                  int head_dim, int half, int num_threads) {                                            \
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * heads * head_dim >= PAR_MIN)") \
-    for (int r = 0; r < rows; r++) {                                                                    \
-        const T *c = cos + (long)r * half, *s = sin + (long)r * half;                                   \
-        for (int h = 0; h < heads; h++) {                                                               \
-            const T *xh = x + (long)r * x_stride + (long)h * head_dim;                                  \
-            T *oh = out + ((long)r * heads + h) * head_dim;                                             \
-            _Pragma("omp simd")                                                                         \
-            for (int d = 0; d < half; d++) {                                                            \
-                const float x1 = LOAD(xh[d]), x2 = LOAD(xh[half + d]), cd = LOAD(c[d]), sd = LOAD(s[d]); \
-                oh[d] = STORE(ROUND(x1 * cd) - ROUND(x2 * sd));                                         \
-                oh[half + d] = STORE(ROUND(x2 * cd) + ROUND(x1 * sd));                                  \
-            }                                                                                           \
-            for (int d = 2 * half; d < head_dim; d++) oh[d] = xh[d];                                    \
+static inline void rotate_row_##SUF(const T *x, const T *c, const T *s, T *out, int heads, int head_dim, \
+                                    int half) {                                                         \
+    for (int h = 0; h < heads; h++) {                                                                   \
+        const T *xh = x + (long)h * head_dim;                                                           \
+        T *oh = out + (long)h * head_dim;                                                               \
+        _Pragma("omp simd")                                                                             \
+        for (int d = 0; d < half; d++) {                                                                \
+            const float x1 = LOAD(xh[d]), x2 = LOAD(xh[half + d]), cd = LOAD(c[d]), sd = LOAD(s[d]);    \
+            oh[d] = STORE(ROUND(x1 * cd) - ROUND(x2 * sd));                                             \
+            oh[half + d] = STORE(ROUND(x2 * cd) + ROUND(x1 * sd));                                      \
         }                                                                                               \
+        for (int d = 2 * half; d < head_dim; d++) oh[d] = xh[d];                                        \
     }                                                                                                   \
-}
+}                                                                                                       \
+ROTARY_ROWS(SUF, T)
 
 #define DEFINE_SILU(SUF, T, LOAD, STORE, ROUND)                                                         \
 void silu_and_mul_##SUF(const T *x, T *out, int rows, int inter, int num_threads) {                     \
@@ -269,3 +273,39 @@ long write_kv(const char *k, long k_stride, const char *v, long v_stride, char *
 #endif
     return bad;
 }
+
+/* The rotary embedding of a step's q and k and its KV-cache write in one pass over the rows (one call per
+ * layer instead of three): q -> q_out, k -> k_out and its slot of k_cache, v -> its slot of v_cache. q, k,
+ * v are column slices of the fused qkv projection (row strides in elements); q_out, k_out contiguous.
+ * Each row's rotated k is copied to the cache while it is still in L1. Slots outside [0, num_slots) are
+ * skipped and counted, as in write_kv. */
+#define DEFINE_ROPE_WRITE_KV(SUF, T)                                                                    \
+long rope_write_kv_##SUF(const T *q, long q_stride, const T *k, long k_stride, const T *v, long v_stride, \
+                         const T *cos, const T *sin, T *q_out, T *k_out, T *k_cache, T *v_cache,        \
+                         const int64_t *slots, long num_slots, int rows, int heads, int kv_heads,       \
+                         int head_dim, int half, int num_threads) {                                     \
+    const int row_bytes = kv_heads * head_dim * (int)sizeof(T);                                         \
+    const int stream = row_bytes % 64 == 0 && (uintptr_t)k_cache % 64 == 0 && (uintptr_t)v_cache % 64 == 0 \
+                       && (long)rows * row_bytes <= NT_MAX_BYTES;                                       \
+    long bad = 0;                                                                                       \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) reduction(+:bad) if ((long)rows * (heads + 2 * kv_heads) * head_dim >= PAR_MIN)") \
+    for (int r = 0; r < rows; r++) {                                                                    \
+        const T *c = cos + (long)r * half, *s = sin + (long)r * half;                                   \
+        T *ko = k_out + (long)r * kv_heads * head_dim;                                                  \
+        rotate_row_##SUF(q + (long)r * q_stride, c, s, q_out + (long)r * heads * head_dim, heads, head_dim, half); \
+        rotate_row_##SUF(k + (long)r * k_stride, c, s, ko, kv_heads, head_dim, half);                   \
+        const int64_t slot = slots[r];                                                                  \
+        if (slot < 0 || slot >= num_slots) { bad++; continue; }                                         \
+        copy_row((char *)(k_cache + slot * kv_heads * head_dim), (const char *)ko, row_bytes, stream);  \
+        copy_row((char *)(v_cache + slot * kv_heads * head_dim), (const char *)(v + (long)r * v_stride), row_bytes, stream); \
+    }                                                                                                   \
+    if (stream) STREAM_FENCE();                                                                         \
+    return bad;                                                                                         \
+}
+#ifdef HAVE_AVX512
+#define STREAM_FENCE() _mm_sfence()
+#else
+#define STREAM_FENCE() ((void)0)
+#endif
+DEFINE_ROPE_WRITE_KV(f32, float)
+DEFINE_ROPE_WRITE_KV(bf16, uint16_t)
