@@ -292,9 +292,39 @@ static inline __attribute__((always_inline)) void NAME##_values(int R, float *co
     }                                                                                                   \
 }
 
-/* One work item = one group of rows and a run of `per` KV heads: all the heads while there are items
- * enough to keep the threads busy (the keys of a cache block are then one contiguous stream), fewer
- * while the largest item would hold more than a quarter of a thread's share of the work. */
+/* Long rows are split at fixed key positions, every SEG_KEYS keys (rounded to whole blocks): each
+ * segment's online-softmax state (m, s, acc) is kept as a partial and the partials are merged at the end
+ * (flash-decoding). While whole rows are too few to keep the threads busy, a lone row's segments are
+ * separate work items, so one long sequence keeps both threads streaming whole cache blocks instead of
+ * a few heads each. Where a row is cut depends only on its own keys, never on the batch or the threads,
+ * and rows walked whole (and prefix-sharing groups) flush at the same places: a row's result is the
+ * same in any batch. Measured per bf16 layer (12 heads of 64, 2 threads): batch 1 at 4096 keys 1.08 ->
+ * 0.71 ms, at 8192 keys 2.53 -> 1.21 ms, batch 4 at 4096 keys 3.62 -> 2.55 ms. 1024, not 256 or 512:
+ * the cut rows of a big batch pay for their flushes and merges (~2-3% of the layer at 700 keys and
+ * 512-key segments) and gain nothing there, and the bench's contexts (up to 768) stay uncut. */
+#ifndef SEG_KEYS
+#define SEG_KEYS 1024
+#endif
+typedef struct { int group, seg; } WorkItem; /* seg < 0: the group's rows whole */
+
+/* A row's state for heads h0 .. h0 + hg - 1 -> its partial slot dst [num_heads][width + 2] (m, s, acc),
+ * then reset for the next segment. */
+static inline void flush_state(float *dst, int h0, int hg, int width, float *acc, float *m, float *s) {
+    for (int x = 0; x < hg; x++) {
+        float *d = dst + (size_t)(h0 + x) * (width + 2);
+        d[0] = m[x];
+        d[1] = s[x];
+        memcpy(d + 2, acc + (size_t)x * width, sizeof(float) * (size_t)width);
+        memset(acc + (size_t)x * width, 0, sizeof(float) * (size_t)width);
+        m[x] = -INFINITY;
+        s[x] = 0.f;
+    }
+}
+
+/* One work item = one group of rows (or one segment of a lone row) and a run of `per` KV heads: all the
+ * heads while there are items enough to keep the threads busy (the keys of a cache block are then one
+ * contiguous stream), fewer while the largest item would hold more than a quarter of a thread's share
+ * of the work. */
 #define DEFINE_AVX512_KERNEL(NAME, T, KT, QT, QLOAD, QDOT, VLOAD32, ACC_INDEX, STORE)                   \
 DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32)                                                          \
 int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t *block_tables,             \
@@ -303,14 +333,18 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
          int window, int num_threads) {                                                                 \
     const int group = num_heads / num_kv_heads;                                                         \
     if (head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || group > MAX_GROUP) return -1;              \
-    const int width = (head_dim + 31) / 32 * 32, sb = (block_size + 15) / 16 * 16;                      \
+    const int width = (head_dim + 31) / 32 * 32, sb = (block_size + 15) / 16 * 16, pw = width + 2;      \
     const int qw = width * (int)(sizeof(float) / sizeof(QT)); /* q [hg][qw] as QDOT takes it, in width floats */ \
+    const int seg_keys = (SEG_KEYS + block_size - 1) / block_size * block_size;                         \
     const int num_rows = query_start[num_seqs];                                                         \
     if (num_rows <= 0) return 0;                                                                        \
-    int *ints = (int *)malloc(sizeof(int) * 3 * (size_t)num_rows);                                     \
+    /* per row: sequence, keys, first key, first segment, number of segments, first partial slot */     \
+    int *ints = (int *)malloc(sizeof(int) * 8 * (size_t)num_rows);                                     \
     RowGroup *groups = (RowGroup *)malloc(sizeof(RowGroup) * (size_t)num_rows);                         \
     if (!ints || !groups) { free(ints); free(groups); return -2; }                                      \
     int *row_seq = ints, *row_keys = ints + num_rows, *order = ints + 2 * num_rows;                     \
+    int *first_key = ints + 3 * num_rows, *first_seg = ints + 4 * num_rows, *nseg = ints + 5 * num_rows; \
+    int *part_off = ints + 6 * num_rows, *split_rows = ints + 7 * num_rows;                             \
     int active = 0; /* rows the kernel computes */                                                      \
     for (int i = 0; i < num_seqs; i++) if (!(skip && skip[i])) active += query_start[i + 1] - query_start[i]; \
     const long share = (long)active * num_kv_heads / (4L * num_threads); /* row-heads: a quarter of a thread's */ \
@@ -319,13 +353,42 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
     const int num_groups = group_rows(block_tables, query_start, seq_lens, skip, num_seqs, max_blocks,  \
                                       block_size, max_group, row_seq, row_keys, order, groups);         \
     if (num_groups < 0) { free(ints); free(groups); return -2; }                                        \
-    int biggest = 1;                                                                                    \
+    int num_parts = 0, num_split = 0, num_items = 0;                                                    \
+    for (int g = 0; g < num_groups; g++)                                                                \
+        for (int j = 0; j < groups[g].count; j++) {                                                     \
+            const int row = order[groups[g].first + j], n_keys = row_keys[row];                         \
+            first_key[row] = window > 0 && n_keys > window ? n_keys - window : 0;                       \
+            first_seg[row] = first_key[row] / seg_keys;                                                 \
+            nseg[row] = n_keys > 0 ? (n_keys - 1) / seg_keys - first_seg[row] + 1 : 1;                  \
+            part_off[row] = num_parts;                                                                  \
+            if (nseg[row] > 1) { num_parts += nseg[row]; split_rows[num_split++] = row; }               \
+        }                                                                                               \
+    /* a lone row's segments become work items of their own only while whole rows are too few to keep \
+     * the threads busy; otherwise one item walks them in turn (same flushes, same bits, and its       \
+     * prefetch runs on across the segment boundaries) */                                              \
+    const int split_items = num_groups < 4 * num_threads;                                               \
+    for (int g = 0; g < num_groups; g++) {                                                              \
+        const int row = order[groups[g].first];                                                         \
+        num_items += split_items && groups[g].count == 1 && groups[g].shared == 0 ? nseg[row] : 1;      \
+    }                                                                                                   \
+    WorkItem *items = (WorkItem *)malloc(sizeof(WorkItem) * (size_t)(num_items > 0 ? num_items : 1));   \
+    float *parts = num_parts ? (float *)malloc(sizeof(float) * (size_t)num_parts * num_heads * pw) : NULL; \
+    if (!items || (num_parts && !parts)) { free(ints); free(groups); free(items); free(parts); return -2; } \
+    for (int g = 0, k = 0; g < num_groups; g++) {                                                       \
+        const int row = order[groups[g].first];                                                         \
+        if (split_items && groups[g].count == 1 && groups[g].shared == 0 && nseg[row] > 1)              \
+            for (int sg = 0; sg < nseg[row]; sg++) items[k++] = (WorkItem){g, first_seg[row] + sg};     \
+        else items[k++] = (WorkItem){g, -1};                                                            \
+    }                                                                                                   \
+    int biggest = 1; /* rows of the largest group (a lone row's segment counts as one row) */           \
     for (int g = 0; g < num_groups; g++) if (groups[g].count > biggest) biggest = groups[g].count;       \
+    /* row-heads, a segment of a split lone row counting as a row: a quarter of a thread's share */     \
+    const long units = (long)active + (num_items - num_groups), item_share = units * num_kv_heads / (4L * num_threads); \
     int per = num_kv_heads; /* halve the head runs while there are too few items or too big ones */     \
-    while (per > 1 && ((long)num_groups * ((num_kv_heads + per - 1) / per) < 4L * num_threads           \
-                       || (long)biggest * per > share)) per = (per + 1) / 2;                            \
+    while (per > 1 && ((long)num_items * ((num_kv_heads + per - 1) / per) < 4L * num_threads            \
+                       || (long)biggest * per > item_share)) per = (per + 1) / 2;                       \
     const int num_chunks = (num_kv_heads + per - 1) / per;                                              \
-    const long total = (long)num_groups * num_chunks, kv_stride = (long)num_kv_heads * head_dim;        \
+    const long total = (long)num_items * num_chunks, kv_stride = (long)num_kv_heads * head_dim;         \
     const int max_hg = per * group, max_hg16 = (max_hg + 15) / 16 * 16;                                  \
     /* one row's q, acc [hg][width]; m, s [hg]; rounded to 16 floats so every row's q and acc stay 64-byte aligned */ \
     const size_t row_floats = ((size_t)max_hg * (2 * width + 2) + 15) / 16 * 16;                      \
@@ -343,15 +406,16 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
         _Pragma("omp for schedule(dynamic, 1)")                                                         \
         for (long work = 0; work < total; work++) {                                                     \
             if (!buf) continue;                                                                         \
-            const RowGroup gr = groups[work / num_chunks];                                              \
-            const int kv0 = (int)(work % num_chunks) * per;                                             \
+            const WorkItem it = items[work / num_chunks];                                               \
+            const RowGroup gr = groups[it.group];                                                       \
+            const int kv0 = (int)(work % num_chunks) * per, h0 = kv0 * group;                           \
             const int nkv = num_kv_heads - kv0 < per ? num_kv_heads - kv0 : per, hg = nkv * group;      \
             for (int j = 0; j < gr.count; j++) {                                                        \
                 const int row = order[gr.first + j];                                                    \
                 const RowState st = row_state(buf, row_floats, j, max_hg, width);                       \
                 QT *qf = (QT *)st.q; float *acc = st.acc, *m = st.m, *s = st.s;                         \
                 for (int x = 0; x < hg; x++) {                                                          \
-                    const T *qp = q + ((long)row * num_heads + kv0 * group + x) * head_dim;             \
+                    const T *qp = q + ((long)row * num_heads + h0 + x) * head_dim;                      \
                     for (int d = 0; d < qw; d++) qf[x * qw + d] = d < head_dim ? QLOAD(qp[d]) : (QT)0;  \
                     for (int d = 0; d < width; d++) acc[x * width + d] = 0.f;                           \
                     m[x] = -INFINITY; s[x] = 0.f;                                                       \
@@ -360,6 +424,13 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
             /* the shared blocks: each one read from memory once, by the group's first row */            \
             const int32_t *t0 = block_tables + (long)row_seq[order[gr.first]] * max_blocks;             \
             for (int b = 0; b < gr.shared; b++) {                                                       \
+                if (b > 0 && b * block_size % seg_keys == 0) /* a segment ends: every row's partial */   \
+                    for (int j = 0; j < gr.count; j++) {                                                \
+                        const int row = order[gr.first + j];                                            \
+                        const RowState st = row_state(buf, row_floats, j, max_hg, width);               \
+                        flush_state(parts + ((size_t)part_off[row] + b * block_size / seg_keys - 1) * num_heads * pw, \
+                                    h0, hg, width, st.acc, st.m, st.s);                                 \
+                    }                                                                                   \
                 const long base = ((long)t0[b] * block_size * num_kv_heads + kv0) * head_dim;           \
                 const long next = b + 1 < gr.shared ? ((long)t0[b + 1] * block_size * num_kv_heads + kv0) * head_dim : -1; \
                 for (int j0 = 0; j0 < gr.count; j0 += 4) { /* four rows at a time share the V reads */  \
@@ -386,35 +457,70 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                                       nkv, group, head_dim, width, sb, kv_stride);                      \
                 }                                                                                       \
             }                                                                                           \
-            for (int j = 0; j < gr.count; j++) { /* each row's own blocks, then its output */           \
+            for (int j = 0; j < gr.count; j++) { /* each row's own blocks (or this segment's), then its output */ \
                 const int row = order[gr.first + j], n_keys = row_keys[row];                            \
                 const RowState st = row_state(buf, row_floats, j, max_hg, width);                       \
                 QT *qf = (QT *)st.q; float *acc = st.acc, *m = st.m, *s = st.s;                         \
                 const int32_t *table = block_tables + (long)row_seq[row] * max_blocks;                  \
-                int start = gr.shared * block_size, n; /* shared is 0 with a window */                  \
-                if (window > 0 && n_keys - window > start) start = n_keys - window;                     \
-                for (; start < n_keys; start += n) {                                                    \
+                float *row_parts = parts ? parts + (size_t)part_off[row] * num_heads * pw : NULL;       \
+                int start = gr.shared * block_size, end = n_keys, n; /* shared is 0 with a window */    \
+                if (first_key[row] > start) start = first_key[row];                                     \
+                if (it.seg >= 0) { /* one segment of a lone row */                                      \
+                    if (it.seg * seg_keys > start) start = it.seg * seg_keys;                           \
+                    if ((it.seg + 1) * seg_keys < end) end = (it.seg + 1) * seg_keys;                   \
+                }                                                                                       \
+                for (; start < end; start += n) {                                                       \
+                    if (it.seg < 0 && start > first_key[row] && start % seg_keys == 0)                  \
+                        flush_state(row_parts + (size_t)(start / seg_keys - 1 - first_seg[row]) * num_heads * pw, \
+                                    h0, hg, width, acc, m, s);                                          \
                     const int off = start % block_size; /* nonzero only where a sliding window starts */ \
-                    n = n_keys - start < block_size - off ? n_keys - start : block_size - off;          \
+                    n = end - start < block_size - off ? end - start : block_size - off;                \
                     const long base = (((long)table[start / block_size] * block_size + off) * num_kv_heads + kv0) * head_dim; \
-                    const long next = start + n < n_keys                                                \
+                    const long next = start + n < end                                                   \
                         ? ((long)table[start / block_size + 1] * block_size * num_kv_heads + kv0) * head_dim : -1; \
                     NAME##_scores(qf, acc, m, s, scores, k_cache + base, next >= 0 ? k_cache + next : NULL, \
                                   next >= 0 ? v_cache + next : NULL, n, nkv, group, head_dim, width, qw, sb, \
                                   kv_stride, scale);                                                    \
                     NAME##_values(1, &acc, (const float *const *)&scores, v_cache + base, n, nkv, group, head_dim, width, sb, kv_stride); \
                 }                                                                                       \
+                if (nseg[row] > 1) { /* this segment's partial; merged below */                         \
+                    const int sg = it.seg >= 0 ? it.seg : (n_keys - 1) / seg_keys;                      \
+                    flush_state(row_parts + (size_t)(sg - first_seg[row]) * num_heads * pw, h0, hg, width, acc, m, s); \
+                    continue;                                                                           \
+                }                                                                                       \
                 for (int x = 0; x < hg; x++) {                                                          \
-                    T *op = out + ((long)row * num_heads + kv0 * group + x) * head_dim;                 \
+                    T *op = out + ((long)row * num_heads + h0 + x) * head_dim;                          \
                     const float inv = s[x] > 0.f ? 1.f / s[x] : 0.f;                                    \
-                    for (int d = 0; d < head_dim; d++) STORE(op + d, acc[x * width + ACC_INDEX(d)] * inv);         \
+                    for (int d = 0; d < head_dim; d++) STORE(op + d, acc[x * width + ACC_INDEX(d)] * inv); \
                 }                                                                                       \
             }                                                                                           \
+        }                                                                                               \
+        /* (the implicit barrier of the loop above: every partial is in) each split row's segments, merged */ \
+        _Pragma("omp for schedule(static)")                                                             \
+        for (long w = 0; w < (long)num_split * num_heads; w++) {                                        \
+            if (failed) continue;                                                                       \
+            const int row = split_rows[w / num_heads], h = (int)(w % num_heads);                        \
+            const float *p = parts + (size_t)part_off[row] * num_heads * pw + (size_t)h * pw;           \
+            const size_t step = (size_t)num_heads * pw;                                                 \
+            float mx = -INFINITY, tot = 0.f, a[MAX_HEAD_DIM];                                           \
+            for (int sg = 0; sg < nseg[row]; sg++) if (p[sg * step] > mx) mx = p[sg * step];            \
+            for (int d = 0; d < width; d++) a[d] = 0.f;                                                 \
+            for (int sg = 0; sg < nseg[row]; sg++) {                                                    \
+                const float *ps = p + sg * step;                                                        \
+                const float c = ps[0] == -INFINITY ? 0.f : expf(ps[0] - mx);                            \
+                tot += ps[1] * c;                                                                       \
+                for (int d = 0; d < width; d++) a[d] += ps[2 + d] * c;                                  \
+            }                                                                                           \
+            T *op = out + ((long)row * num_heads + h) * head_dim;                                       \
+            const float inv = tot > 0.f ? 1.f / tot : 0.f;                                              \
+            for (int d = 0; d < head_dim; d++) STORE(op + d, a[ACC_INDEX(d)] * inv);                    \
         }                                                                                               \
         free(buf);                                                                                      \
     }                                                                                                   \
     free(ints);                                                                                         \
     free(groups);                                                                                       \
+    free(items);                                                                                        \
+    free(parts);                                                                                        \
     return failed ? -2 : 0;                                                                             \
 }
 

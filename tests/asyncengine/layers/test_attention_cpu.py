@@ -234,3 +234,37 @@ def test_shared_prefix_blocks_change_no_bit(dtype, heads, head_dim, num_threads)
     assert torch.equal(got, alone)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_dim", [((12, 12), 64), ((8, 2), 80)])
+@pytest.mark.parametrize("window", [None, 1100])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_long_rows_give_the_same_bits_in_any_batch(dtype, heads, head_dim, window, num_threads) -> None:
+    """Rows longer than a segment (1024 keys) are cut into segments whose partial softmax states are merged
+    (flash-decoding). A row alone is split into work items per segment; in a full batch each row walks its
+    segments in one item, and a prefix-sharing group flushes inside its shared blocks (a 1120-token prefix
+    here). Every sequence computed alone must equal its rows in the batch bit for bit, and the reference."""
+    num_heads, num_kv_heads = heads
+    query_lens = [1] * 36 + [3, 1, 1, 1]
+    context_lens = [3000, 1025, 1024, 1023] + [1150 + 37 * i for i in range(32)] + [2100, 1, 40, 2300]
+    q, k, v, kc, vc, meta = build_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype)
+    if window is None:
+        share_prefix(meta.block_tables, list(range(4, 14)), 70)
+    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, 0.1, window)
+    qs = meta.query_start_loc.tolist()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        got = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.1, window)
+        for i in [0, 1, 2, 3, 4, 5, 20, 36, 39]:
+            alone = AttentionMetadata(meta.slot_mapping[qs[i]:qs[i + 1]], torch.tensor([0, query_lens[i]], dtype=torch.int32),
+                                      meta.seq_lens[i:i + 1], meta.block_tables[i:i + 1], [query_lens[i]],
+                                      [meta.seq_lens_cpu[i]], query_lens[i], meta.seq_lens_cpu[i])
+            one = CpuAttentionBackend().forward(q[qs[i]:qs[i + 1]], k[qs[i]:qs[i + 1]], v[qs[i]:qs[i + 1]], kc, vc,
+                                                alone, 0.1, window)
+            assert torch.equal(one, got[qs[i]:qs[i + 1]]), f"sequence {i}"
+    finally:
+        torch.set_num_threads(previous)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
