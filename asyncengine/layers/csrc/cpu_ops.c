@@ -266,20 +266,38 @@ static void copy_row(char *dst, const char *src, int row_bytes, int stream) {
     memcpy(dst, src, (size_t)row_bytes);
 }
 
+/* Non-temporal stores for a write of `rows` rows of row_bytes when the lines allow it and it is small
+ * enough not to be read back at once (see above). */
+static int use_stream(const void *k_cache, const void *v_cache, int rows, int row_bytes) {
+    return row_bytes % 64 == 0 && (uintptr_t)k_cache % 64 == 0 && (uintptr_t)v_cache % 64 == 0
+           && (long)rows * row_bytes <= NT_MAX_BYTES;
+}
+
+/* One token's k and v rows -> cache slot `slot`; returns 1 (nothing written) for a slot outside the cache. */
+static int write_slot(char *k_cache, char *v_cache, int64_t slot, long num_slots, const char *k_row,
+                      const char *v_row, int row_bytes, int stream) {
+    if (slot < 0 || slot >= num_slots) return 1;
+    copy_row(k_cache + slot * row_bytes, k_row, row_bytes, stream);
+    copy_row(v_cache + slot * row_bytes, v_row, row_bytes, stream);
+    return 0;
+}
+
+/* The streamed lines are visible before anyone reads the cache. */
+static void end_stream(int stream) {
+#ifdef HAVE_AVX512
+    if (stream) _mm_sfence();
+#endif
+    (void)stream;
+}
+
 long write_kv(const char *k, long k_stride, const char *v, long v_stride, char *k_cache, char *v_cache,
               const int64_t *slots, long num_slots, int rows, int row_bytes) {
     long bad = 0;
-    const int stream = row_bytes % 64 == 0 && (uintptr_t)k_cache % 64 == 0 && (uintptr_t)v_cache % 64 == 0
-                       && (long)rows * row_bytes <= NT_MAX_BYTES;
-    for (int r = 0; r < rows; r++) {
-        const int64_t s = slots[r];
-        if (s < 0 || s >= num_slots) { bad++; continue; }
-        copy_row(k_cache + s * row_bytes, k + (long)r * k_stride, row_bytes, stream);
-        copy_row(v_cache + s * row_bytes, v + (long)r * v_stride, row_bytes, stream);
-    }
-#ifdef HAVE_AVX512
-    if (stream) _mm_sfence(); /* the streamed lines are visible before anyone reads the cache */
-#endif
+    const int stream = use_stream(k_cache, v_cache, rows, row_bytes);
+    for (int r = 0; r < rows; r++)
+        bad += write_slot(k_cache, v_cache, slots[r], num_slots, k + (long)r * k_stride, v + (long)r * v_stride,
+                          row_bytes, stream);
+    end_stream(stream);
     return bad;
 }
 
@@ -294,8 +312,7 @@ long rope_write_kv_##SUF(const T *q, long q_stride, const T *k, long k_stride, c
                          const int64_t *slots, long num_slots, int rows, int heads, int kv_heads,       \
                          int head_dim, int half, int num_threads) {                                     \
     const int row_bytes = kv_heads * head_dim * (int)sizeof(T);                                         \
-    const int stream = row_bytes % 64 == 0 && (uintptr_t)k_cache % 64 == 0 && (uintptr_t)v_cache % 64 == 0 \
-                       && (long)rows * row_bytes <= NT_MAX_BYTES;                                       \
+    const int stream = use_stream(k_cache, v_cache, rows, row_bytes);                                   \
     long bad = 0;                                                                                       \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) reduction(+:bad) if ((long)rows * (heads + 2 * kv_heads) * head_dim >= PAR_MIN)") \
     for (int r = 0; r < rows; r++) {                                                                    \
@@ -303,18 +320,11 @@ long rope_write_kv_##SUF(const T *q, long q_stride, const T *k, long k_stride, c
         T *ko = k_out + (long)r * kv_heads * head_dim;                                                  \
         rotate_row_##SUF(q + (long)r * q_stride, c, s, q_out + (long)r * heads * head_dim, heads, head_dim, half); \
         rotate_row_##SUF(k + (long)r * k_stride, c, s, ko, kv_heads, head_dim, half);                   \
-        const int64_t slot = slots[r];                                                                  \
-        if (slot < 0 || slot >= num_slots) { bad++; continue; }                                         \
-        copy_row((char *)(k_cache + slot * kv_heads * head_dim), (const char *)ko, row_bytes, stream);  \
-        copy_row((char *)(v_cache + slot * kv_heads * head_dim), (const char *)(v + (long)r * v_stride), row_bytes, stream); \
+        bad += write_slot((char *)k_cache, (char *)v_cache, slots[r], num_slots, (const char *)ko,       \
+                          (const char *)(v + (long)r * v_stride), row_bytes, stream);                   \
     }                                                                                                   \
-    if (stream) STREAM_FENCE();                                                                         \
+    end_stream(stream);                                                                                 \
     return bad;                                                                                         \
 }
-#ifdef HAVE_AVX512
-#define STREAM_FENCE() _mm_sfence()
-#else
-#define STREAM_FENCE() ((void)0)
-#endif
 DEFINE_ROPE_WRITE_KV(f32, float)
 DEFINE_ROPE_WRITE_KV(bf16, uint16_t)
