@@ -102,6 +102,15 @@ static void configure_tiles(int rows) {
     _tile_loadconfig(&c);
 }
 
+/* The four accumulator tiles (0-3): zeroed, or loaded from / stored to 4 x 256 floats at p (tile t at p + 256 t). */
+static inline void zero_accs(void) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+static inline void load_accs(const float *p) {
+    _tile_loadd(0, p, 64); _tile_loadd(1, p + 256, 64); _tile_loadd(2, p + 512, 64); _tile_loadd(3, p + 768, 64);
+}
+static inline void store_accs(float *p) {
+    _tile_stored(0, p, 64); _tile_stored(1, p + 256, 64); _tile_stored(2, p + 512, 64); _tile_stored(3, p + 768, 64);
+}
+
 /* `rows` rows of one accumulator tile (float32 [16][16]) + bias -> bfloat16, `cols` <= 16 columns. */
 static inline void store_rows(const float *acc, int rows, int cols, uint16_t *out, long out_stride,
                               const uint16_t *bias) {
@@ -242,7 +251,7 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                 for (int g = g_begin; g < g_end; g++) {
                     const int nb0 = g * 4, nbn = NB - nb0 < 4 ? NB - nb0 : 4;
                     const uint16_t *b0 = packed + (size_t)nb0 * block_stride;
-                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    zero_accs();
                     for (int kb = 0; kb < KB; kb++) {
                         const uint16_t *bk = b0 + (size_t)kb * TILE;
                         if (kb + 4 < KB) /* four tiles ahead in each block's stream */
@@ -254,8 +263,7 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                         if (nbn > 2) { _tile_loadd(6, bk + 2 * block_stride, 64); _tile_dpbf16ps(2, 4, 6); }
                         if (nbn > 3) { _tile_loadd(7, bk + 3 * block_stride, 64); _tile_dpbf16ps(3, 4, 7); }
                     }
-                    _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64);
-                    _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
+                    store_accs(acc[0]);
                     for (int j = 0; j < nbn; j++) {
                         const int n0 = (nb0 + j) * 16;
                         if (!gated) {
@@ -267,74 +275,64 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                         }
                     }
                 }
-            } else if (M >= LARGE_M && spill && stage) { /* prefill chunks: K in blocks of KB_BLOCK, so that a group's weight
-                 * tiles for one K block stay in L1 across the row chunks; the accumulators go to `spill` between
-                 * K blocks. (Without this both x and the weights stream from L2 for every tile product,
-                 * which L2's bandwidth cannot feed.) */
+            } else { /* groups of 2 output blocks; rows in blocks of ROW_BLOCK, chunks of 32 rows */
+                /* prefill chunks: K in blocks of KB_BLOCK, so that a group's weight tiles for one K block stay
+                 * in L1 across the row chunks; the accumulators go to `spill` between K blocks. (Without this
+                 * both x and the weights stream from L2 for every tile product, which L2's bandwidth cannot
+                 * feed.) */
+                const int large = M >= LARGE_M && spill && stage;
                 for (int r0 = 0; r0 < M; r0 += ROW_BLOCK) {
                     const int r1 = M - r0 < ROW_BLOCK ? M : r0 + ROW_BLOCK;
                     const int chunks = (r1 - r0 + 31) / 32;
                     for (int g = g_begin; g < g_end; g++) {
                         const int nb0 = g * 2, nbn = NB - nb0 < 2 ? NB - nb0 : 2;
                         const uint16_t *b0 = packed + (size_t)nb0 * block_stride;
-                        for (int k0 = 0; k0 < KB; k0 += KB_BLOCK) {
-                            const int k1 = KB - k0 < KB_BLOCK ? KB : k0 + KB_BLOCK;
-                            for (int c = 0; c < chunks; c++) {
-                                const RowChunk ch = row_chunk(x, x_stride, tail, tail_row, K, r0 + 32 * c, r1);
-                                float *sp = spill + (size_t)c * 1024;
-                                if (k0 == 0) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
-                                else {
-                                    _tile_loadd(0, sp, 64); _tile_loadd(1, sp + 256, 64);
-                                    _tile_loadd(2, sp + 512, 64); _tile_loadd(3, sp + 768, 64);
-                                }
-                                chunk_products(&ch, b0, k0, k1, nbn, block_stride, NULL);
-                                _tile_stored(0, sp, 64); _tile_stored(1, sp + 256, 64);
-                                _tile_stored(2, sp + 512, 64); _tile_stored(3, sp + 768, 64);
-                            }
-                        }
-                        /* into the staging rows, flushed to out every STAGE_GROUPS groups: a row's columns of
-                         * several groups then go out as one run of lines, not one line per row and group */
                         const int n0 = nb0 * 16, cols = N - n0 < 32 ? N - n0 : 32, col = g * out_group;
-                        const int slot = (g - g_begin) % STAGE_GROUPS;
-                        for (int c = 0; c < chunks; c++) {
-                            const int m0 = r0 + 32 * c;
-                            const float *sp = spill + (size_t)c * 1024;
-                            for (int t = 0; t < 2 && m0 + 16 * t < r1; t++) {
-                                const int row = m0 + 16 * t, rows = r1 - row < 16 ? r1 - row : 16;
-                                store_group(sp + 512 * t, sp + 512 * t + 256, rows, cols,
-                                            stage + (size_t)(row - r0) * STAGE_GROUPS * 32 + slot * out_group,
-                                            STAGE_GROUPS * 32, bias, col, inter, gated);
+                        if (large) {
+                            for (int k0 = 0; k0 < KB; k0 += KB_BLOCK) {
+                                const int k1 = KB - k0 < KB_BLOCK ? KB : k0 + KB_BLOCK;
+                                for (int c = 0; c < chunks; c++) {
+                                    const RowChunk ch = row_chunk(x, x_stride, tail, tail_row, K, r0 + 32 * c, r1);
+                                    float *sp = spill + (size_t)c * 1024;
+                                    if (k0 == 0) zero_accs();
+                                    else load_accs(sp);
+                                    chunk_products(&ch, b0, k0, k1, nbn, block_stride, NULL);
+                                    store_accs(sp);
+                                }
                             }
+                            /* into the staging rows, flushed to out every STAGE_GROUPS groups: a row's columns of
+                             * several groups then go out as one run of lines, not one line per row and group */
+                            const int slot = (g - g_begin) % STAGE_GROUPS;
+                            for (int c = 0; c < chunks; c++) {
+                                const int m0 = r0 + 32 * c;
+                                const float *sp = spill + (size_t)c * 1024;
+                                for (int t = 0; t < 2 && m0 + 16 * t < r1; t++) {
+                                    const int row = m0 + 16 * t, rows = r1 - row < 16 ? r1 - row : 16;
+                                    store_group(sp + 512 * t, sp + 512 * t + 256, rows, cols,
+                                                stage + (size_t)(row - r0) * STAGE_GROUPS * 32 + slot * out_group,
+                                                STAGE_GROUPS * 32, bias, col, inter, gated);
+                                }
+                            }
+                            if (slot == STAGE_GROUPS - 1 || g == g_end - 1) {
+                                const int first = (g - slot) * out_group;
+                                const int width = gated ? (slot + 1) * 16 : n0 + cols - first;
+                                for (int row = r0; row < r1; row++)
+                                    memcpy(out + (long)row * out_stride + first,
+                                           stage + (size_t)(row - r0) * STAGE_GROUPS * 32, (size_t)width * 2);
+                            }
+                            continue;
                         }
-                        if (slot == STAGE_GROUPS - 1 || g == g_end - 1) {
-                            const int first = (g - slot) * out_group;
-                            const int width = gated ? (slot + 1) * 16 : n0 + cols - first;
-                            for (int row = r0; row < r1; row++)
-                                memcpy(out + (long)row * out_stride + first, stage + (size_t)(row - r0) * STAGE_GROUPS * 32,
-                                       (size_t)width * 2);
-                        }
-                    }
-                }
-            } else {
-                for (int r0 = 0; r0 < M; r0 += ROW_BLOCK) {
-                    const int r1 = M - r0 < ROW_BLOCK ? M : r0 + ROW_BLOCK;
-                    const int chunks = (r1 - r0 + 31) / 32;
-                    for (int g = g_begin; g < g_end; g++) {
-                        const int nb0 = g * 2, nbn = NB - nb0 < 2 ? NB - nb0 : 2;
-                        const uint16_t *b0 = packed + (size_t)nb0 * block_stride;
                         /* the weights wanted next: this thread's next group, or its first for the next row block */
                         const int g_next = g + 1 < g_end ? g + 1 : r1 < M ? g_begin : -1;
                         Prefetch pf = {g_next >= 0 ? packed + (size_t)g_next * 2 * block_stride : NULL,
                                        g_next >= 0 ? (NB - 2 * g_next < 2 ? NB - 2 * g_next : 2) * KB : 0,
                                        (long)chunks * KB, 0, 0};
-                        const int cols = N - nb0 * 16 < 32 ? N - nb0 * 16 : 32, col = g * out_group;
                         for (int c = 0; c < chunks; c++) {
                             const int m0 = r0 + 32 * c;
                             const RowChunk ch = row_chunk(x, x_stride, tail, tail_row, K, m0, r1);
-                            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                            zero_accs();
                             chunk_products(&ch, b0, 0, KB, nbn, block_stride, &pf);
-                            _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64);
-                            _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
+                            store_accs(acc[0]);
                             for (int t = 0; t < 1 + ch.two; t++) {
                                 const int row = m0 + 16 * t, rows = r1 - row < 16 ? r1 - row : 16;
                                 store_group(acc[2 * t], acc[2 * t + 1], rows, cols, out + (long)row * out_stride + col,
