@@ -1,0 +1,298 @@
+/* Causal attention of prompt chunks on Intel AMX (bfloat16): the prefill counterpart of paged_attention.c.
+ *
+ * Why not torch's SDPA (the CPU flash kernel): a prefill step holds many short prompts (the bench's mixed
+ * workload: 16-256 tokens), one SDPA call each, and at those lengths SDPA reaches 90-170 GFLOP/s on this
+ * machine's two cores: it was 23% of a prefill-only run of that workload, 29% with the per-call work
+ * around it. Here all of a step's prompts go in one call and one OpenMP region, and both products run
+ * on AMX tiles.
+ *
+ * Per (sequence, KV head) the keys and values are first packed into AMX B tiles (zero past the
+ * sequence): K as [16-key block][32-dim block][16 dim pairs][16 keys][2], V as [32-key block][16-dim
+ * block][16 key pairs][16 dims][2]. Then per (sequence, head, tile of 16 query rows):
+ *     S = Q K^T over the keys the rows may see      (float32 accumulators, exact bf16 products)
+ *     P = exp(S * scale - rowmax)                   (float32; causal / sliding-window mask)
+ *     O = bf16(P) V / sum(P)                        (float32 accumulators, one rounding to bf16 at the end)
+ * which is the arithmetic of torch's flash kernel for bfloat16 inputs (P rounded to bfloat16 for the
+ * second product, the row sums kept in float32), without its key blocking: one softmax over all of a
+ * row's keys, held in a float32 scratch row (the rows are prompt chunks, at most a few thousand keys).
+ *
+ * Query position of row i of a sequence: kv_len - q_len + i (the chunk is the last q_len positions of
+ * the context); it sees keys j <= position, and with a sliding window W > 0 only j > position - W. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include "cpu_common.h" /* exp512: the softmax's exp, as in paged_attention.c */
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TILE 512 /* bfloat16 per 1 KiB tile */
+#define MAX_HEAD_DIM 256
+
+int amx_attention_available(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
+
+/* Every tile 16 rows x 64 bytes: 0-3 float32 accumulators, 4 the A operand (Q or P), 6 and 7 B tiles. */
+static void configure_tiles(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+static inline int ceil_to(int n, int m) { return (n + m - 1) / m * m; }
+
+/* Lanes l of keys j .. j + 15 with lo <= j + l <= pos. */
+static inline __mmask16 valid_keys(int j, int lo, int pos) {
+    const int a = lo - j > 0 ? lo - j : 0, b = pos - j + 1 < 16 ? pos - j + 1 : 16;
+    if (b <= a) return 0;
+    return (__mmask16)((((1u << b) - 1) >> a) << a);
+}
+
+/* 16 x 16 32-bit words, transposed in registers (r[i] holds row i; afterwards column i). */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* One (sequence, KV head): keys and values of rows kv .. kv + len - 1 into B tiles, zero past len. */
+static void pack_kv(const uint16_t *k, long k_stride, const uint16_t *v, long v_stride, int len, int D,
+                    uint16_t *kt, uint16_t *vt) {
+    const int DB32 = D / 32, DB16 = D / 16;
+    /* K tile (16 keys x 32 dims): 32-bit word [p][n] = dims 2p, 2p + 1 of key n, the 16 keys' rows transposed */
+    for (int kb = 0; kb < ceil_to(len, 16) / 16; kb++)
+        for (int db = 0; db < DB32; db++) {
+            __m512i r[16];
+            for (int n = 0; n < 16; n++)
+                r[n] = kb * 16 + n < len ? _mm512_loadu_si512(k + (long)(kb * 16 + n) * k_stride + db * 32)
+                                         : _mm512_setzero_si512();
+            transpose16(r);
+            uint16_t *t = kt + ((size_t)kb * DB32 + db) * TILE;
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(t + p * 32, r[p]);
+        }
+    /* V tile (32 keys x 16 dims): row p = keys 2p and 2p + 1 interleaved dim by dim */
+    const __m512i inter = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    for (int kb = 0; kb < ceil_to(len, 32) / 32; kb++)
+        for (int db = 0; db < DB16; db++) {
+            uint16_t *t = vt + ((size_t)kb * DB16 + db) * TILE;
+            for (int p = 0; p < 16; p++) {
+                const int k0 = kb * 32 + 2 * p;
+                const __m512i a = k0 < len ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (long)k0 * v_stride + db * 16)))
+                                           : _mm512_setzero_si512();
+                const __m512i b = k0 + 1 < len ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (long)(k0 + 1) * v_stride + db * 16)))
+                                               : _mm512_setzero_si512();
+                _mm512_storeu_si512(t + p * 32, _mm512_permutex2var_epi16(a, inter, b));
+            }
+        }
+}
+
+/* seqs: [num_seqs][4] = first query row, query rows, first key row, key rows (rows of q/out and of k/v).
+ * q, out [rows, H * D], k, v [rows, Hkv * D], each with its row stride in elements.
+ * Returns 0; -1 for an unsupported shape (D not a multiple of 32 or over MAX_HEAD_DIM, H not a multiple
+ * of Hkv, more query than key rows); -2 when scratch cannot be allocated. */
+int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long k_stride, const uint16_t *v,
+                       long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs, int H, int Hkv,
+                       int D, float scale, int window, int num_threads) {
+    if (D % 32 || D <= 0 || D > MAX_HEAD_DIM || Hkv <= 0 || H % Hkv) return -1;
+    int max_kv = 0, max_tiles = 0;
+    size_t packed = 0, items = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = seqs[4 * s + 1], kv_len = seqs[4 * s + 3];
+        if (q_len < 0 || q_len > kv_len) return -1;
+        max_kv = kv_len > max_kv ? kv_len : max_kv;
+        max_tiles = (q_len + 15) / 16 > max_tiles ? (q_len + 15) / 16 : max_tiles;
+        packed += (size_t)Hkv * (ceil_to(kv_len, 16) + ceil_to(kv_len, 32)) * D;
+        items += (size_t)H * ((q_len + 15) / 16);
+    }
+    if (!items) return 0;
+    /* per (sequence, KV head): its K tiles then its V tiles */
+    size_t *base = malloc(sizeof(size_t) * (num_seqs + 1));
+    int *work = malloc(sizeof(int) * 3 * items);
+    /* kept between calls (one per calling thread): a fresh multi-MiB buffer per layer would be page-faulted
+     * in every time */
+    static __thread uint16_t *kv_buf;
+    static __thread size_t kv_cap;
+    if (packed * 2 > kv_cap) {
+        free(kv_buf);
+        kv_cap = (packed * 2 * 5 / 4 + 63) / 64 * 64; /* headroom: the next step's prompts may be longer */
+        kv_buf = aligned_alloc(64, kv_cap);
+        if (!kv_buf) kv_cap = 0;
+    }
+    uint16_t *kv = kv_buf;
+    const int ld = ceil_to(max_kv, 32) + 32; /* scratch row length, keys */
+    int failed = !base || !work || !kv;
+    if (!failed) {
+        base[0] = 0;
+        for (int s = 0; s < num_seqs; s++)
+            base[s + 1] = base[s] + (size_t)Hkv * (ceil_to(seqs[4 * s + 3], 16) + ceil_to(seqs[4 * s + 3], 32)) * D;
+        /* the longest rows first (a query tile's cost grows with its position), for the dynamic schedule */
+        size_t n = 0;
+        for (int t = max_tiles - 1; t >= 0; t--)
+            for (int s = 0; s < num_seqs; s++)
+                if (t < (seqs[4 * s + 1] + 15) / 16)
+                    for (int h = 0; h < H; h++) { work[3 * n] = s; work[3 * n + 1] = h; work[3 * n + 2] = t; n++; }
+    }
+    const int group = H / Hkv, DB32 = D / 32, DB16 = D / 16;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *S = NULL, *O = NULL;
+        uint16_t *P = NULL, *Q = NULL;
+        if (!failed) {
+            S = aligned_alloc(64, sizeof(float) * 16 * ld);
+            P = aligned_alloc(64, sizeof(uint16_t) * 16 * ld);
+            O = aligned_alloc(64, sizeof(float) * 4 * 256);
+            Q = aligned_alloc(64, sizeof(uint16_t) * 16 * MAX_HEAD_DIM);
+            if (!S || !P || !O || !Q) {
+#pragma omp atomic write
+                failed = 1;
+            }
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < num_seqs * Hkv; i++) {
+                const int s = i / Hkv, g = i % Hkv, len = seqs[4 * s + 3];
+                uint16_t *kt = kv + base[s] + (size_t)g * (ceil_to(len, 16) + ceil_to(len, 32)) * D;
+                pack_kv(k + (long)seqs[4 * s + 2] * k_stride + g * D, k_stride,
+                        v + (long)seqs[4 * s + 2] * v_stride + g * D, v_stride, len, D, kt, kt + (size_t)ceil_to(len, 16) * D);
+            }
+            configure_tiles();
+#pragma omp for schedule(dynamic, 1)
+            for (long it = 0; it < (long)items; it++) {
+                const int s = work[3 * it], h = work[3 * it + 1], t = work[3 * it + 2], g = h / group;
+                const int q_row = seqs[4 * s], q_len = seqs[4 * s + 1], kv_len = seqs[4 * s + 3];
+                const int r0 = 16 * t, nr = q_len - r0 < 16 ? q_len - r0 : 16;
+                const int pos0 = kv_len - q_len + r0, end = pos0 + nr; /* keys 0 .. end - 1 at most */
+                const int first = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+                const int ka = first / 32 * 32, kend16 = ceil_to(end, 16), kend32 = ceil_to(end, 32);
+                const uint16_t *kt = kv + base[s] + (size_t)g * (ceil_to(kv_len, 16) + ceil_to(kv_len, 32)) * D;
+                const uint16_t *vt = kt + (size_t)ceil_to(kv_len, 16) * D;
+                /* the tile of queries: in place, or zero-padded when fewer than 16 rows are left */
+                const uint16_t *qa = q + (long)(q_row + r0) * q_stride + h * D;
+                long qs = q_stride;
+                if (nr < 16) {
+                    memset(Q, 0, sizeof(uint16_t) * 16 * D);
+                    for (int r = 0; r < nr; r++) memcpy(Q + r * D, qa + (long)r * q_stride, sizeof(uint16_t) * D);
+                    qa = Q;
+                    qs = D;
+                }
+                /* S[:, ka .. kend16) = Q K^T, four key blocks at a time */
+                for (int kb = ka / 16; kb < kend16 / 16; kb += 4) {
+                    const int nb = kend16 / 16 - kb < 4 ? kend16 / 16 - kb : 4;
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    for (int db = 0; db < DB32; db++) {
+                        _tile_loadd(4, qa + db * 32, qs * 2);
+                        const uint16_t *b = kt + ((size_t)kb * DB32 + db) * TILE;
+                        _tile_loadd(6, b, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (nb > 1) { _tile_loadd(7, b + (size_t)DB32 * TILE, 64); _tile_dpbf16ps(1, 4, 7); }
+                        if (nb > 2) { _tile_loadd(6, b + (size_t)2 * DB32 * TILE, 64); _tile_dpbf16ps(2, 4, 6); }
+                        if (nb > 3) { _tile_loadd(7, b + (size_t)3 * DB32 * TILE, 64); _tile_dpbf16ps(3, 4, 7); }
+                    }
+                    float *sc = S + (kb * 16 - ka);
+                    _tile_stored(0, sc, ld * 4);
+                    if (nb > 1) _tile_stored(1, sc + 16, ld * 4);
+                    if (nb > 2) _tile_stored(2, sc + 32, ld * 4);
+                    if (nb > 3) _tile_stored(3, sc + 48, ld * 4);
+                }
+                /* softmax of each row over the keys it sees; P = bf16(exp), zero elsewhere (and on padding rows) */
+                float inv_sum[16];
+                for (int r = 0; r < 16; r++) {
+                    uint16_t *pr = P + (long)r * ld;
+                    if (r >= nr) { memset(pr, 0, sizeof(uint16_t) * (kend32 - ka)); continue; }
+                    const int pos = pos0 + r, lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                    const float *sr = S + (long)r * ld;
+                    __m512 mx = _mm512_set1_ps(-INFINITY);
+                    for (int j = ka; j < kend32; j += 16) {
+                        const __mmask16 mk = valid_keys(j, lo, pos);
+                        mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mk, _mm512_maskz_loadu_ps(mk, sr + j - ka), _mm512_set1_ps(scale)));
+                    }
+                    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+                    __m512 sum = _mm512_setzero_ps();
+                    for (int j = ka; j < kend32; j += 16) {
+                        const __mmask16 mk = valid_keys(j, lo, pos);
+                        if (!mk) { _mm256_storeu_si256((__m256i *)(pr + j - ka), _mm256_setzero_si256()); continue; }
+                        const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + j - ka), _mm512_set1_ps(scale)), m)));
+                        sum = _mm512_add_ps(sum, e);
+                        _mm256_storeu_si256((__m256i *)(pr + j - ka), (__m256i)_mm512_cvtneps_pbh(e));
+                    }
+                    inv_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
+                }
+                /* O = P V, four 16-dim blocks at a time; out = bf16(O / sum) */
+                for (int d0 = 0; d0 < DB16; d0 += 4) {
+                    const int nd = DB16 - d0 < 4 ? DB16 - d0 : 4;
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    for (int kb = ka / 32; kb < kend32 / 32; kb++) {
+                        _tile_loadd(4, P + (kb * 32 - ka), ld * 2);
+                        const uint16_t *b = vt + ((size_t)kb * DB16 + d0) * TILE;
+                        _tile_loadd(6, b, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (nd > 1) { _tile_loadd(7, b + TILE, 64); _tile_dpbf16ps(1, 4, 7); }
+                        if (nd > 2) { _tile_loadd(6, b + 2 * TILE, 64); _tile_dpbf16ps(2, 4, 6); }
+                        if (nd > 3) { _tile_loadd(7, b + 3 * TILE, 64); _tile_dpbf16ps(3, 4, 7); }
+                    }
+                    _tile_stored(0, O, 64);
+                    if (nd > 1) _tile_stored(1, O + 256, 64);
+                    if (nd > 2) _tile_stored(2, O + 512, 64);
+                    if (nd > 3) _tile_stored(3, O + 768, 64);
+                    for (int r = 0; r < nr; r++) {
+                        uint16_t *o = out + (long)(q_row + r0 + r) * out_stride + h * D + d0 * 16;
+                        const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+                        for (int j = 0; j < nd; j++)
+                            _mm256_storeu_si256((__m256i *)(o + 16 * j),
+                                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(O + 256 * j + 16 * r), inv)));
+                    }
+                }
+            }
+            _tile_release();
+        }
+        free(S);
+        free(P);
+        free(O);
+        free(Q);
+    }
+    free(base);
+    free(work);
+    return failed ? -2 : 0;
+}
+
+#else /* no AMX in this build: callers keep torch's SDPA */
+int amx_attention_available(void) { return 0; }
+int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long k_stride, const uint16_t *v,
+                       long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs, int H, int Hkv,
+                       int D, float scale, int window, int num_threads) {
+    (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)out; (void)out_stride;
+    (void)seqs; (void)num_seqs; (void)H; (void)Hkv; (void)D; (void)scale; (void)window; (void)num_threads;
+    return -3;
+}
+#endif

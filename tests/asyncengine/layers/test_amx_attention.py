@@ -1,0 +1,91 @@
+"""The AMX prompt-attention kernel (csrc/amx_attention.c) against torch's SDPA and an exact float64 softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention_cpu import build_batch
+
+from asyncengine.layers.attention_cpu import CpuAttentionBackend, amx_prompt_attention, load_amx_library
+from asyncengine.layers.attention_torch import TorchAttentionBackend, causal_attention
+
+pytestmark = pytest.mark.skipif(load_amx_library() is None, reason="no AMX-BF16 (or no C compiler)")
+
+
+def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """float64 causal attention of q [L, H, D] as the last L positions over k, v [S, Hkv, D]."""
+    q_len, seq_len, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    qq = q.double().transpose(0, 1)
+    kk, vv = (t.double().transpose(0, 1).repeat_interleave(group, 0) for t in (k, v))
+    s = qq @ kk.transpose(1, 2) * q.shape[2] ** -0.5
+    rows = torch.arange(q_len)[:, None] + (seq_len - q_len)
+    cols = torch.arange(seq_len)[None, :]
+    mask = cols <= rows
+    if window:
+        mask &= cols > rows - window
+    return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ vv).transpose(0, 1)
+
+
+@pytest.mark.parametrize("heads,head_dim", [((4, 4), 64), ((8, 2), 128), ((6, 1), 32), ((2, 2), 256), ((4, 2), 96)])
+@pytest.mark.parametrize("window", [None, 7, 40])
+@pytest.mark.parametrize(
+    "lens",
+    [
+        [(1, 1), (15, 15), (16, 16), (17, 17), (100, 100)],  # fresh prompts around the 16-row tiles
+        [(33, 33), (300, 300)],
+        [(20, 50), (16, 97), (1, 64)],  # chunks after cached context (the gathered path)
+    ],
+)
+def test_matches_sdpa_and_is_as_accurate(heads, head_dim, window, lens) -> None:
+    num_heads, num_kv_heads = heads
+    torch.manual_seed(0)
+    t, s = sum(q for q, _ in lens), sum(kv for _, kv in lens)
+    q = torch.randn(t, num_heads, head_dim).to(torch.bfloat16)
+    # keys and values as strided views of one projection output, as the model hands them over
+    kv = torch.randn(s, 2, num_kv_heads, head_dim).to(torch.bfloat16)
+    k, v = kv[:, 0], kv[:, 1]
+    sentinel = torch.full((t + 3, num_heads, head_dim), 7.0, dtype=torch.bfloat16)
+    out = sentinel[1:t + 1]
+    seqs, qs, ks = [], 0, 0
+    for q_len, kv_len in lens:
+        seqs.append((qs, q_len, ks, kv_len))
+        qs, ks = qs + q_len, ks + kv_len
+    assert amx_prompt_attention(q, k, v, out, seqs, head_dim**-0.5, window)
+    assert (sentinel[0] == 7).all() and (sentinel[t + 1:] == 7).all()  # nothing written outside the rows
+    for q0, q_len, k0, kv_len in seqs:
+        qi, ki, vi = q[q0:q0 + q_len], k[k0:k0 + kv_len], v[k0:k0 + kv_len]
+        got, ref = out[q0:q0 + q_len], causal_attention(qi, ki, vi, head_dim**-0.5, window)
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+        # both round P to bfloat16 before P V: their errors against the exact result are alike
+        e = exact(qi, ki, vi, window)
+        err_amx, err_sdpa = (got.double() - e).abs().mean(), (ref.double() - e).abs().mean()
+        assert err_amx <= 1.1 * err_sdpa + 1e-6
+
+
+def test_rows_outside_the_call_are_untouched_and_a_row_is_batch_independent() -> None:
+    torch.manual_seed(1)
+    q = torch.randn(40, 4, 64).to(torch.bfloat16)
+    k, v = torch.randn(40, 4, 64).to(torch.bfloat16), torch.randn(40, 4, 64).to(torch.bfloat16)
+    alone = torch.zeros_like(q)
+    assert amx_prompt_attention(q, k, v, alone, [(10, 30, 10, 30)], 0.125, None)
+    assert (alone[:10] == 0).all()
+    together = torch.zeros_like(q)
+    assert amx_prompt_attention(q, k, v, together, [(0, 10, 0, 10), (10, 30, 10, 30)], 0.125, None)
+    assert torch.equal(alone[10:], together[10:])
+
+
+def test_declines_what_it_does_not_cover() -> None:
+    q = torch.randn(8, 2, 80).to(torch.bfloat16)  # head_dim not a multiple of 32
+    assert not amx_prompt_attention(q, q, q, torch.empty_like(q), [(0, 8, 0, 8)], 0.1, None)
+    q32 = torch.randn(8, 2, 64)  # float32: torch's SDPA keeps it
+    assert not amx_prompt_attention(q32, q32, q32, torch.empty_like(q32), [(0, 8, 0, 8)], 0.1, None)
+
+
+@pytest.mark.parametrize("query_lens,context_lens", [([40, 1, 23], [0, 30, 0]), ([20, 17], [16, 50])])
+def test_backend_routes_prompts_to_the_kernel(query_lens, context_lens) -> None:
+    """The backend's dense rows (fresh prompts in one call, chunks after context one call each) next to
+    decode rows of the paged kernel: close to the reference backend."""
+    q, k, v, kc, vc, meta = build_batch(query_lens, context_lens, 8, 2, 64, 16, torch.bfloat16)
+    got = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
+    ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
