@@ -116,28 +116,155 @@ static void pack_kv(const uint16_t *k, long k_stride, const uint16_t *v, long v_
         }
 }
 
+/* One call's arguments, shared by its work items. */
+typedef struct {
+    const uint16_t *q, *k, *v;
+    uint16_t *out;
+    long q_stride, k_stride, v_stride, out_stride;
+    const int *seqs; /* [num_seqs][4]: first query row, query rows, first key row, key rows */
+    int H, Hkv, D, window, ld; /* ld: the scratch rows' length in keys */
+    float scale;
+} Call;
+
+/* Per-thread scratch of a call: scores, probabilities, output tiles, a zero-padded query tile. */
+typedef struct { float *S, *O; uint16_t *P, *Q; } Scratch;
+
+/* Query rows 16 t .. 16 t + 15 of sequence s, head h, over K / V tiles kt / vt of its KV head. */
+static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, const uint16_t *kt, const uint16_t *vt) {
+    const int D = c->D, DB32 = D / 32, DB16 = D / 16, ld = c->ld, window = c->window;
+    const float scale = c->scale;
+    float *S = w->S, *O = w->O;
+    uint16_t *P = w->P, *Q = w->Q;
+    const int q_row = c->seqs[4 * s], q_len = c->seqs[4 * s + 1], kv_len = c->seqs[4 * s + 3];
+    const int r0 = 16 * t, nr = q_len - r0 < 16 ? q_len - r0 : 16;
+    const int pos0 = kv_len - q_len + r0, end = pos0 + nr; /* keys 0 .. end - 1 at most */
+    const int first = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+    const int ka = first / 32 * 32, kend16 = ceil_to(end, 16), kend32 = ceil_to(end, 32);
+    const long q_stride = c->q_stride, out_stride = c->out_stride;
+    const uint16_t *q = c->q;
+    uint16_t *out = c->out;
+    /* the tile of queries: in place, or zero-padded when fewer than 16 rows are left */
+    const uint16_t *qa = q + (long)(q_row + r0) * q_stride + h * D;
+    long qs = q_stride;
+    if (nr < 16) {
+        memset(Q, 0, sizeof(uint16_t) * 16 * D);
+        for (int r = 0; r < nr; r++) memcpy(Q + r * D, qa + (long)r * q_stride, sizeof(uint16_t) * D);
+        qa = Q;
+        qs = D;
+    }
+    /* S[:, ka .. kend16) = Q K^T, four key blocks at a time */
+    for (int kb = ka / 16; kb < kend16 / 16; kb += 4) {
+        const int nb = kend16 / 16 - kb < 4 ? kend16 / 16 - kb : 4;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int db = 0; db < DB32; db++) {
+            _tile_loadd(4, qa + db * 32, qs * 2);
+            const uint16_t *b = kt + ((size_t)kb * DB32 + db) * TILE;
+            _tile_loadd(6, b, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (nb > 1) { _tile_loadd(7, b + (size_t)DB32 * TILE, 64); _tile_dpbf16ps(1, 4, 7); }
+            if (nb > 2) { _tile_loadd(6, b + (size_t)2 * DB32 * TILE, 64); _tile_dpbf16ps(2, 4, 6); }
+            if (nb > 3) { _tile_loadd(7, b + (size_t)3 * DB32 * TILE, 64); _tile_dpbf16ps(3, 4, 7); }
+        }
+        float *sc = S + (kb * 16 - ka);
+        _tile_stored(0, sc, ld * 4);
+        if (nb > 1) _tile_stored(1, sc + 16, ld * 4);
+        if (nb > 2) _tile_stored(2, sc + 32, ld * 4);
+        if (nb > 3) _tile_stored(3, sc + 48, ld * 4);
+    }
+    /* softmax of each row over the keys it sees; P = bf16(exp), zero elsewhere (and on padding rows) */
+    float inv_sum[16];
+    for (int r = 0; r < 16; r++) {
+        uint16_t *pr = P + (long)r * ld;
+        if (r >= nr) { memset(pr, 0, sizeof(uint16_t) * (kend32 - ka)); continue; }
+        const int pos = pos0 + r, lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        const float *sr = S + (long)r * ld;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int j = ka; j < kend32; j += 16) {
+            const __mmask16 mk = valid_keys(j, lo, pos);
+            mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mk, _mm512_maskz_loadu_ps(mk, sr + j - ka), _mm512_set1_ps(scale)));
+        }
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = ka; j < kend32; j += 16) {
+            const __mmask16 mk = valid_keys(j, lo, pos);
+            if (!mk) { _mm256_storeu_si256((__m256i *)(pr + j - ka), _mm256_setzero_si256()); continue; }
+            const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + j - ka), _mm512_set1_ps(scale)), m)));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_storeu_si256((__m256i *)(pr + j - ka), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        inv_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* O = P V, four 16-dim blocks at a time; out = bf16(O / sum) */
+    for (int d0 = 0; d0 < DB16; d0 += 4) {
+        const int nd = DB16 - d0 < 4 ? DB16 - d0 : 4;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int kb = ka / 32; kb < kend32 / 32; kb++) {
+            _tile_loadd(4, P + (kb * 32 - ka), ld * 2);
+            const uint16_t *b = vt + ((size_t)kb * DB16 + d0) * TILE;
+            _tile_loadd(6, b, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (nd > 1) { _tile_loadd(7, b + TILE, 64); _tile_dpbf16ps(1, 4, 7); }
+            if (nd > 2) { _tile_loadd(6, b + 2 * TILE, 64); _tile_dpbf16ps(2, 4, 6); }
+            if (nd > 3) { _tile_loadd(7, b + 3 * TILE, 64); _tile_dpbf16ps(3, 4, 7); }
+        }
+        _tile_stored(0, O, 64);
+        if (nd > 1) _tile_stored(1, O + 256, 64);
+        if (nd > 2) _tile_stored(2, O + 512, 64);
+        if (nd > 3) _tile_stored(3, O + 768, 64);
+        for (int r = 0; r < nr; r++) {
+            uint16_t *o = out + (long)(q_row + r0 + r) * out_stride + h * D + d0 * 16;
+            const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+            for (int j = 0; j < nd; j++)
+                _mm256_storeu_si256((__m256i *)(o + 16 * j),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(O + 256 * j + 16 * r), inv)));
+        }
+    }
+}
+
+/* The packed K / V of (sequence s, KV head g) in `kv`: its K tiles, then its V tiles. */
+static inline uint16_t *unit_tiles(uint16_t *kv, const size_t *base, const int *seqs, int s, int g, int D) {
+    const int len = seqs[4 * s + 3];
+    return kv + base[s] + (size_t)g * (ceil_to(len, 16) + ceil_to(len, 32)) * D;
+}
+
+static void pack_unit(const Call *c, uint16_t *tiles, int s, int g) {
+    const int len = c->seqs[4 * s + 3], row = c->seqs[4 * s + 2];
+    pack_kv(c->k + (long)row * c->k_stride + g * c->D, c->k_stride, c->v + (long)row * c->v_stride + g * c->D,
+            c->v_stride, len, c->D, tiles, tiles + (size_t)ceil_to(len, 16) * c->D);
+}
+
+typedef struct { long cost; int index; } Ranked;
+static int by_cost_desc(const void *a, const void *b) {
+    const long x = ((const Ranked *)a)->cost, y = ((const Ranked *)b)->cost;
+    return x < y ? 1 : x > y ? -1 : ((const Ranked *)a)->index - ((const Ranked *)b)->index;
+}
+
 /* seqs: [num_seqs][4] = first query row, query rows, first key row, key rows (rows of q/out and of k/v).
  * q, out [rows, H * D], k, v [rows, Hkv * D], each with its row stride in elements.
  * Returns 0; -1 for an unsupported shape (D not a multiple of 32 or over MAX_HEAD_DIM, H not a multiple
- * of Hkv, more query than key rows); -2 when scratch cannot be allocated. */
+ * of Hkv, more query than key rows); -2 when scratch cannot be allocated.
+ *
+ * Work: with at least 4 (sequence, KV head) units per thread, a thread takes a unit, packs its K / V and
+ * runs all of its query tiles while those tiles are in L2 (largest units first). With fewer (one long
+ * prompt, few KV heads), every unit is packed first and the (head, query tile) items are shared out. */
 int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long k_stride, const uint16_t *v,
                        long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs, int H, int Hkv,
                        int D, float scale, int window, int num_threads) {
-    if (D % 32 || D <= 0 || D > MAX_HEAD_DIM || Hkv <= 0 || H % Hkv) return -1;
-    int max_kv = 0, max_tiles = 0;
+    if (D % 32 || D <= 0 || D > MAX_HEAD_DIM || Hkv <= 0 || H % Hkv || num_seqs < 0) return -1;
+    int max_kv = 0;
     size_t packed = 0, items = 0;
     for (int s = 0; s < num_seqs; s++) {
         const int q_len = seqs[4 * s + 1], kv_len = seqs[4 * s + 3];
         if (q_len < 0 || q_len > kv_len) return -1;
         max_kv = kv_len > max_kv ? kv_len : max_kv;
-        max_tiles = (q_len + 15) / 16 > max_tiles ? (q_len + 15) / 16 : max_tiles;
         packed += (size_t)Hkv * (ceil_to(kv_len, 16) + ceil_to(kv_len, 32)) * D;
         items += (size_t)H * ((q_len + 15) / 16);
     }
     if (!items) return 0;
-    /* per (sequence, KV head): its K tiles then its V tiles */
-    size_t *base = malloc(sizeof(size_t) * (num_seqs + 1));
-    int *work = malloc(sizeof(int) * 3 * items);
+    const Call c = {q, k, v, out, q_stride, k_stride, v_stride, out_stride, seqs, H, Hkv, D, window,
+                    ceil_to(max_kv, 32) + 32, scale};
+    const int group = H / Hkv, units = num_seqs * Hkv;
+    const int fused = units >= 4 * num_threads;
     /* kept between calls (one per calling thread): a fresh multi-MiB buffer per layer would be page-faulted
      * in every time */
     static __thread uint16_t *kv_buf;
@@ -149,137 +276,76 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
         if (!kv_buf) kv_cap = 0;
     }
     uint16_t *kv = kv_buf;
-    const int ld = ceil_to(max_kv, 32) + 32; /* scratch row length, keys */
+    size_t *base = malloc(sizeof(size_t) * (num_seqs + 1));
+    const long n_work = fused ? units : (long)items;
+    Ranked *work = malloc(sizeof(Ranked) * n_work);
     int failed = !base || !work || !kv;
     if (!failed) {
         base[0] = 0;
         for (int s = 0; s < num_seqs; s++)
             base[s + 1] = base[s] + (size_t)Hkv * (ceil_to(seqs[4 * s + 3], 16) + ceil_to(seqs[4 * s + 3], 32)) * D;
-        /* the longest rows first (a query tile's cost grows with its position), for the dynamic schedule */
-        size_t n = 0;
-        for (int t = max_tiles - 1; t >= 0; t--)
-            for (int s = 0; s < num_seqs; s++)
-                if (t < (seqs[4 * s + 1] + 15) / 16)
-                    for (int h = 0; h < H; h++) { work[3 * n] = s; work[3 * n + 1] = h; work[3 * n + 2] = t; n++; }
+        /* the costliest first, for the dynamic schedule: a unit's cost grows with q_len * kv_len, a query
+         * tile's with its last key */
+        long n = 0, tiles_before = 0;
+        for (int s = 0; s < num_seqs; s++) {
+            const int q_len = seqs[4 * s + 1], kv_len = seqs[4 * s + 3], tiles = (q_len + 15) / 16;
+            if (fused) {
+                for (int g = 0; g < Hkv; g++) work[n++] = (Ranked){(long)q_len * kv_len, s * Hkv + g};
+            } else {
+                for (int t = 0; t < tiles; t++)
+                    for (int h = 0; h < H; h++)
+                        work[n++] = (Ranked){kv_len - q_len + 16L * t + 16, (int)((tiles_before + t) * H + h)};
+            }
+            tiles_before += tiles;
+        }
+        qsort(work, n_work, sizeof(Ranked), by_cost_desc);
     }
-    const int group = H / Hkv, DB32 = D / 32, DB16 = D / 16;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *S = NULL, *O = NULL;
-        uint16_t *P = NULL, *Q = NULL;
+        Scratch w = {NULL, NULL, NULL, NULL};
         if (!failed) {
-            S = aligned_alloc(64, sizeof(float) * 16 * ld);
-            P = aligned_alloc(64, sizeof(uint16_t) * 16 * ld);
-            O = aligned_alloc(64, sizeof(float) * 4 * 256);
-            Q = aligned_alloc(64, sizeof(uint16_t) * 16 * MAX_HEAD_DIM);
-            if (!S || !P || !O || !Q) {
+            w.S = aligned_alloc(64, sizeof(float) * 16 * c.ld);
+            w.P = aligned_alloc(64, sizeof(uint16_t) * 16 * c.ld);
+            w.O = aligned_alloc(64, sizeof(float) * 4 * 256);
+            w.Q = aligned_alloc(64, sizeof(uint16_t) * 16 * MAX_HEAD_DIM);
+            if (!w.S || !w.P || !w.O || !w.Q) {
 #pragma omp atomic write
                 failed = 1;
             }
         }
 #pragma omp barrier
         if (!failed) {
-#pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < num_seqs * Hkv; i++) {
-                const int s = i / Hkv, g = i % Hkv, len = seqs[4 * s + 3];
-                uint16_t *kt = kv + base[s] + (size_t)g * (ceil_to(len, 16) + ceil_to(len, 32)) * D;
-                pack_kv(k + (long)seqs[4 * s + 2] * k_stride + g * D, k_stride,
-                        v + (long)seqs[4 * s + 2] * v_stride + g * D, v_stride, len, D, kt, kt + (size_t)ceil_to(len, 16) * D);
-            }
             configure_tiles();
+            if (fused) {
 #pragma omp for schedule(dynamic, 1)
-            for (long it = 0; it < (long)items; it++) {
-                const int s = work[3 * it], h = work[3 * it + 1], t = work[3 * it + 2], g = h / group;
-                const int q_row = seqs[4 * s], q_len = seqs[4 * s + 1], kv_len = seqs[4 * s + 3];
-                const int r0 = 16 * t, nr = q_len - r0 < 16 ? q_len - r0 : 16;
-                const int pos0 = kv_len - q_len + r0, end = pos0 + nr; /* keys 0 .. end - 1 at most */
-                const int first = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
-                const int ka = first / 32 * 32, kend16 = ceil_to(end, 16), kend32 = ceil_to(end, 32);
-                const uint16_t *kt = kv + base[s] + (size_t)g * (ceil_to(kv_len, 16) + ceil_to(kv_len, 32)) * D;
-                const uint16_t *vt = kt + (size_t)ceil_to(kv_len, 16) * D;
-                /* the tile of queries: in place, or zero-padded when fewer than 16 rows are left */
-                const uint16_t *qa = q + (long)(q_row + r0) * q_stride + h * D;
-                long qs = q_stride;
-                if (nr < 16) {
-                    memset(Q, 0, sizeof(uint16_t) * 16 * D);
-                    for (int r = 0; r < nr; r++) memcpy(Q + r * D, qa + (long)r * q_stride, sizeof(uint16_t) * D);
-                    qa = Q;
-                    qs = D;
+                for (long i = 0; i < n_work; i++) {
+                    const int s = work[i].index / Hkv, g = work[i].index % Hkv, tiles = (seqs[4 * s + 1] + 15) / 16;
+                    uint16_t *kt = unit_tiles(kv, base, seqs, s, g, D);
+                    pack_unit(&c, kt, s, g);
+                    const uint16_t *vt = kt + (size_t)ceil_to(seqs[4 * s + 3], 16) * D;
+                    for (int h = g * group; h < (g + 1) * group; h++)
+                        for (int t = tiles - 1; t >= 0; t--) query_tile(&c, &w, s, h, t, kt, vt);
                 }
-                /* S[:, ka .. kend16) = Q K^T, four key blocks at a time */
-                for (int kb = ka / 16; kb < kend16 / 16; kb += 4) {
-                    const int nb = kend16 / 16 - kb < 4 ? kend16 / 16 - kb : 4;
-                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                    for (int db = 0; db < DB32; db++) {
-                        _tile_loadd(4, qa + db * 32, qs * 2);
-                        const uint16_t *b = kt + ((size_t)kb * DB32 + db) * TILE;
-                        _tile_loadd(6, b, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        if (nb > 1) { _tile_loadd(7, b + (size_t)DB32 * TILE, 64); _tile_dpbf16ps(1, 4, 7); }
-                        if (nb > 2) { _tile_loadd(6, b + (size_t)2 * DB32 * TILE, 64); _tile_dpbf16ps(2, 4, 6); }
-                        if (nb > 3) { _tile_loadd(7, b + (size_t)3 * DB32 * TILE, 64); _tile_dpbf16ps(3, 4, 7); }
-                    }
-                    float *sc = S + (kb * 16 - ka);
-                    _tile_stored(0, sc, ld * 4);
-                    if (nb > 1) _tile_stored(1, sc + 16, ld * 4);
-                    if (nb > 2) _tile_stored(2, sc + 32, ld * 4);
-                    if (nb > 3) _tile_stored(3, sc + 48, ld * 4);
-                }
-                /* softmax of each row over the keys it sees; P = bf16(exp), zero elsewhere (and on padding rows) */
-                float inv_sum[16];
-                for (int r = 0; r < 16; r++) {
-                    uint16_t *pr = P + (long)r * ld;
-                    if (r >= nr) { memset(pr, 0, sizeof(uint16_t) * (kend32 - ka)); continue; }
-                    const int pos = pos0 + r, lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-                    const float *sr = S + (long)r * ld;
-                    __m512 mx = _mm512_set1_ps(-INFINITY);
-                    for (int j = ka; j < kend32; j += 16) {
-                        const __mmask16 mk = valid_keys(j, lo, pos);
-                        mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mk, _mm512_maskz_loadu_ps(mk, sr + j - ka), _mm512_set1_ps(scale)));
-                    }
-                    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-                    __m512 sum = _mm512_setzero_ps();
-                    for (int j = ka; j < kend32; j += 16) {
-                        const __mmask16 mk = valid_keys(j, lo, pos);
-                        if (!mk) { _mm256_storeu_si256((__m256i *)(pr + j - ka), _mm256_setzero_si256()); continue; }
-                        const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + j - ka), _mm512_set1_ps(scale)), m)));
-                        sum = _mm512_add_ps(sum, e);
-                        _mm256_storeu_si256((__m256i *)(pr + j - ka), (__m256i)_mm512_cvtneps_pbh(e));
-                    }
-                    inv_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
-                }
-                /* O = P V, four 16-dim blocks at a time; out = bf16(O / sum) */
-                for (int d0 = 0; d0 < DB16; d0 += 4) {
-                    const int nd = DB16 - d0 < 4 ? DB16 - d0 : 4;
-                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                    for (int kb = ka / 32; kb < kend32 / 32; kb++) {
-                        _tile_loadd(4, P + (kb * 32 - ka), ld * 2);
-                        const uint16_t *b = vt + ((size_t)kb * DB16 + d0) * TILE;
-                        _tile_loadd(6, b, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        if (nd > 1) { _tile_loadd(7, b + TILE, 64); _tile_dpbf16ps(1, 4, 7); }
-                        if (nd > 2) { _tile_loadd(6, b + 2 * TILE, 64); _tile_dpbf16ps(2, 4, 6); }
-                        if (nd > 3) { _tile_loadd(7, b + 3 * TILE, 64); _tile_dpbf16ps(3, 4, 7); }
-                    }
-                    _tile_stored(0, O, 64);
-                    if (nd > 1) _tile_stored(1, O + 256, 64);
-                    if (nd > 2) _tile_stored(2, O + 512, 64);
-                    if (nd > 3) _tile_stored(3, O + 768, 64);
-                    for (int r = 0; r < nr; r++) {
-                        uint16_t *o = out + (long)(q_row + r0 + r) * out_stride + h * D + d0 * 16;
-                        const __m512 inv = _mm512_set1_ps(inv_sum[r]);
-                        for (int j = 0; j < nd; j++)
-                            _mm256_storeu_si256((__m256i *)(o + 16 * j),
-                                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(O + 256 * j + 16 * r), inv)));
-                    }
+            } else {
+#pragma omp for schedule(dynamic, 1)
+                for (int i = 0; i < units; i++) pack_unit(&c, unit_tiles(kv, base, seqs, i / Hkv, i % Hkv, D), i / Hkv, i % Hkv);
+#pragma omp for schedule(dynamic, 1)
+                for (long i = 0; i < n_work; i++) {
+                    /* index = (tiles of the earlier sequences + t) * H + h; sequences are few here (fewer
+                     * than 4 units per thread), so s is found by a walk */
+                    int s = 0, t = work[i].index / H;
+                    const int h = work[i].index % H;
+                    while (t >= (seqs[4 * s + 1] + 15) / 16) t -= (seqs[4 * s + 1] + 15) / 16, s++;
+                    const uint16_t *kt = unit_tiles(kv, base, seqs, s, h / group, D);
+                    query_tile(&c, &w, s, h, t, kt, kt + (size_t)ceil_to(seqs[4 * s + 3], 16) * D);
                 }
             }
             _tile_release();
         }
-        free(S);
-        free(P);
-        free(O);
-        free(Q);
+        free(w.S);
+        free(w.P);
+        free(w.O);
+        free(w.Q);
     }
     free(base);
     free(work);
