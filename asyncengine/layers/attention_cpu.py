@@ -68,32 +68,43 @@ def load_amx_library() -> ctypes.CDLL | None:
     lib.amx_attention_available.restype = ctypes.c_int
     lib.amx_attention_available.argtypes = []
     lib.amx_attention_bf16.restype = ctypes.c_int
-    lib.amx_attention_bf16.argtypes = ([ctypes.c_void_p, ctypes.c_long] * 4 + [ctypes.c_void_p] + [ctypes.c_int] * 4
-                                       + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
+    lib.amx_attention_bf16.argtypes = ([ctypes.c_void_p, ctypes.c_long] * 4 + [ctypes.c_void_p, ctypes.c_int]
+                                       + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
     return lib if lib.amx_attention_available() else None
 
 
 def amx_prompt_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim] bfloat16, rows contiguous
-    k: torch.Tensor,  # [num_keys, num_kv_heads, head_dim] bfloat16 (row stride free)
+    k: torch.Tensor,  # [num_keys, num_kv_heads, head_dim] bfloat16 (row stride free), or a paged cache
     v: torch.Tensor,
     out: torch.Tensor,  # like q; the rows of `seqs` are written
     seqs: list[tuple[int, int, int, int]],  # (first query row, query rows, first key row, key rows)
     scale: float,
     sliding_window: int | None,
+    tables: torch.Tensor | None = None,  # [num_seqs, max_blocks] int32: k / v are [num_blocks, block, Hkv, D]
 ) -> bool:
     """Causal attention of prompt chunks on AMX, all of `seqs` in one call; False where the kernel does not
-    apply (no AMX, another dtype, head_dim not a multiple of 32 or over 256), and nothing is written."""
+    apply (no AMX, another dtype, head_dim not a multiple of 32 or over 256), and nothing is written.
+
+    With `tables`, each sequence's keys are read in place from the paged cache k / v through its block
+    table, and a sequence's third field is the row of `tables` that holds that table."""
     lib = load_amx_library()
-    head_dim = q.shape[2]
+    head_dim = q.shape[-1]
     if (lib is None or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
             or head_dim % 32 or head_dim > 256 or q.device.type != "cpu"):
         return False
+    block_size = 0
+    if tables is not None:
+        assert k.is_contiguous() and v.is_contiguous() and tables.is_contiguous() and tables.dtype == torch.int32
+        block_size = k.shape[1]
+        k, v = k.flatten(0, 1), v.flatten(0, 1)  # [num_blocks * block, Hkv, D]
     k, v = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous() for t in (k, v))
     assert q.is_contiguous() and out.is_contiguous()
     info = torch.tensor(seqs, dtype=torch.int32)
     rc = lib.amx_attention_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                out.data_ptr(), out.stride(0), info.data_ptr(), len(seqs), q.shape[1], k.shape[1],
+                                out.data_ptr(), out.stride(0), info.data_ptr(), len(seqs),
+                                tables.data_ptr() if tables is not None else None,
+                                tables.stride(0) if tables is not None else 0, block_size, q.shape[1], k.shape[1],
                                 head_dim, scale, sliding_window or 0, torch.get_num_threads())
     if rc == -2:
         raise MemoryError("AMX attention kernel could not allocate its scratch buffers")
@@ -160,25 +171,32 @@ class CpuAttentionBackend:
         if skip is None or not all(dense):
             self._run_kernel(kernel, q, k_cache, v_cache, out, step, scale, sliding_window or 0)
         if skip is not None:
-            self._prompts(q, k, v, k_cache, v_cache, out, meta, dense, scale, sliding_window)
+            self._prompts(q, k, v, k_cache, v_cache, out, meta, step, scale, sliding_window)
         return out
 
     @staticmethod
     def _prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 out: torch.Tensor, meta: AttentionMetadata, dense: list[bool], scale: float,
+                 out: torch.Tensor, meta: AttentionMetadata, step: _StepArgs, scale: float,
                  sliding_window: int | None) -> None:
-        """The dense rows: fresh prompts over this step's keys (on AMX all in one call), chunks after cached
-        context over their gathered blocks."""
-        start, fresh, cached = 0, [], []
-        for i, (q_len, seq_len, is_dense) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, dense)):
+        """The dense rows. With a bfloat16 cache on AMX: every prompt chunk in one call that reads its keys in
+        place through the block tables (this step's were written before attention), fresh prompts and
+        chunks after cached context alike. Otherwise fresh prompts attend over this step's keys and
+        chunks after cached context over their gathered blocks, one SDPA call each."""
+        start, dense = 0, []
+        for i, (q_len, seq_len, is_dense) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, step.dense)):
             if is_dense:
-                (fresh if q_len == seq_len else cached).append((i, start, q_len, seq_len))
+                dense.append((i, start, q_len, seq_len))
             start += q_len
-        if fresh and not amx_prompt_attention(q, k, v, out, [(s, n, s, n) for _, s, n, _ in fresh], scale,
-                                              sliding_window):
-            for _, s, n, _ in fresh:
+        if amx_prompt_attention(q, k_cache, v_cache, out, [(s, n, i, seq_len) for i, s, n, seq_len in dense], scale,
+                                sliding_window, step.tables):
+            return
+        fresh = [(s, n, s, n) for _, s, n, seq_len in dense if n == seq_len]  # over this step's keys directly
+        if fresh and not amx_prompt_attention(q, k, v, out, fresh, scale, sliding_window):
+            for s, n, _, _ in fresh:
                 out[s:s + n] = causal_attention(q[s:s + n], k[s:s + n], v[s:s + n], scale, sliding_window)
-        for i, s, n, seq_len in cached:  # this step's keys are already in the cache (written before attention)
+        for i, s, n, seq_len in dense:
+            if n == seq_len:
+                continue
             keys = gather_kv(k_cache, meta.block_tables[i], seq_len, q.dtype)
             values = gather_kv(v_cache, meta.block_tables[i], seq_len, q.dtype)
             if not amx_prompt_attention(q, keys, values, out, [(s, n, 0, seq_len)], scale, sliding_window):

@@ -84,16 +84,36 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
-/* One (sequence, KV head): keys and values of rows kv .. kv + len - 1 into B tiles, zero past len. */
-static void pack_kv(const uint16_t *k, long k_stride, const uint16_t *v, long v_stride, int len, int D,
-                    uint16_t *kt, uint16_t *vt) {
+/* One call's arguments, shared by its work items. */
+typedef struct {
+    const uint16_t *q, *k, *v;
+    uint16_t *out;
+    long q_stride, k_stride, v_stride, out_stride;
+    const int *seqs; /* [num_seqs][4]: first query row, query rows, first key row (or block-table row), key rows */
+    const int *tables; /* NULL, or block tables [.][table_stride]: key j at row table[j / block_size] * block_size + j % block_size */
+    int table_stride, block_size;
+    int H, Hkv, D, window, ld; /* ld: the scratch rows' length in keys */
+    float scale;
+} Call;
+
+/* The row of k / v that holds key j of sequence s. */
+static inline long key_row(const Call *c, int s, int j) {
+    if (!c->tables) return (long)c->seqs[4 * s + 2] + j;
+    const int *table = c->tables + (long)c->seqs[4 * s + 2] * c->table_stride;
+    return (long)table[j / c->block_size] * c->block_size + j % c->block_size;
+}
+
+/* Sequence s, KV head g: its keys and values into B tiles kt / vt, zero past its length. */
+static void pack_kv(const Call *c, int s, int g, uint16_t *kt, uint16_t *vt) {
+    const int len = c->seqs[4 * s + 3], D = c->D;
+    const uint16_t *k = c->k + g * D, *v = c->v + g * D;
     const int DB32 = D / 32, DB16 = D / 16;
     /* K tile (16 keys x 32 dims): 32-bit word [p][n] = dims 2p, 2p + 1 of key n, the 16 keys' rows transposed */
     for (int kb = 0; kb < ceil_to(len, 16) / 16; kb++)
         for (int db = 0; db < DB32; db++) {
             __m512i r[16];
             for (int n = 0; n < 16; n++)
-                r[n] = kb * 16 + n < len ? _mm512_loadu_si512(k + (long)(kb * 16 + n) * k_stride + db * 32)
+                r[n] = kb * 16 + n < len ? _mm512_loadu_si512(k + key_row(c, s, kb * 16 + n) * c->k_stride + db * 32)
                                          : _mm512_setzero_si512();
             transpose16(r);
             uint16_t *t = kt + ((size_t)kb * DB32 + db) * TILE;
@@ -107,24 +127,15 @@ static void pack_kv(const uint16_t *k, long k_stride, const uint16_t *v, long v_
             uint16_t *t = vt + ((size_t)kb * DB16 + db) * TILE;
             for (int p = 0; p < 16; p++) {
                 const int k0 = kb * 32 + 2 * p;
-                const __m512i a = k0 < len ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (long)k0 * v_stride + db * 16)))
+                const __m512i a = k0 < len ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + key_row(c, s, k0) * c->v_stride + db * 16)))
                                            : _mm512_setzero_si512();
-                const __m512i b = k0 + 1 < len ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + (long)(k0 + 1) * v_stride + db * 16)))
+                const __m512i b = k0 + 1 < len ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + key_row(c, s, k0 + 1) * c->v_stride + db * 16)))
                                                : _mm512_setzero_si512();
                 _mm512_storeu_si512(t + p * 32, _mm512_permutex2var_epi16(a, inter, b));
             }
         }
 }
 
-/* One call's arguments, shared by its work items. */
-typedef struct {
-    const uint16_t *q, *k, *v;
-    uint16_t *out;
-    long q_stride, k_stride, v_stride, out_stride;
-    const int *seqs; /* [num_seqs][4]: first query row, query rows, first key row, key rows */
-    int H, Hkv, D, window, ld; /* ld: the scratch rows' length in keys */
-    float scale;
-} Call;
 
 /* Per-thread scratch of a call: scores, probabilities, output tiles, a zero-padded query tile. */
 typedef struct { float *S, *O; uint16_t *P, *Q; } Scratch;
@@ -228,9 +239,7 @@ static inline uint16_t *unit_tiles(uint16_t *kv, const size_t *base, const int *
 }
 
 static void pack_unit(const Call *c, uint16_t *tiles, int s, int g) {
-    const int len = c->seqs[4 * s + 3], row = c->seqs[4 * s + 2];
-    pack_kv(c->k + (long)row * c->k_stride + g * c->D, c->k_stride, c->v + (long)row * c->v_stride + g * c->D,
-            c->v_stride, len, c->D, tiles, tiles + (size_t)ceil_to(len, 16) * c->D);
+    pack_kv(c, s, g, tiles, tiles + (size_t)ceil_to(c->seqs[4 * s + 3], 16) * c->D);
 }
 
 typedef struct { long cost; int index; } Ranked;
@@ -241,6 +250,8 @@ static int by_cost_desc(const void *a, const void *b) {
 
 /* seqs: [num_seqs][4] = first query row, query rows, first key row, key rows (rows of q/out and of k/v).
  * q, out [rows, H * D], k, v [rows, Hkv * D], each with its row stride in elements.
+ * tables (or NULL): the keys are read in place from a paged cache, k / v its [blocks * block_size,
+ * Hkv * D] rows; a sequence's third field is then the row of `tables` that holds its block table.
  * Returns 0; -1 for an unsupported shape (D not a multiple of 32 or over MAX_HEAD_DIM, H not a multiple
  * of Hkv, more query than key rows); -2 when scratch cannot be allocated.
  *
@@ -248,8 +259,9 @@ static int by_cost_desc(const void *a, const void *b) {
  * runs all of its query tiles while those tiles are in L2 (largest units first). With fewer (one long
  * prompt, few KV heads), every unit is packed first and the (head, query tile) items are shared out. */
 int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long k_stride, const uint16_t *v,
-                       long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs, int H, int Hkv,
-                       int D, float scale, int window, int num_threads) {
+                       long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs, const int *tables,
+                       int table_stride, int block_size, int H, int Hkv, int D, float scale, int window, int num_threads) {
+    if (tables && block_size <= 0) return -1;
     if (D % 32 || D <= 0 || D > MAX_HEAD_DIM || Hkv <= 0 || H % Hkv || num_seqs < 0) return -1;
     int max_kv = 0;
     size_t packed = 0, items = 0;
@@ -261,7 +273,7 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
         items += (size_t)H * ((q_len + 15) / 16);
     }
     if (!items) return 0;
-    const Call c = {q, k, v, out, q_stride, k_stride, v_stride, out_stride, seqs, H, Hkv, D, window,
+    const Call c = {q, k, v, out, q_stride, k_stride, v_stride, out_stride, seqs, tables, table_stride, block_size, H, Hkv, D, window,
                     ceil_to(max_kv, 32) + 32, scale};
     const int group = H / Hkv, units = num_seqs * Hkv;
     const int fused = units >= 4 * num_threads;
@@ -355,8 +367,9 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
 #else /* no AMX in this build: callers keep torch's SDPA */
 int amx_attention_available(void) { return 0; }
 int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long k_stride, const uint16_t *v,
-                       long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs, int H, int Hkv,
-                       int D, float scale, int window, int num_threads) {
+                       long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs, const int *tables,
+                       int table_stride, int block_size, int H, int Hkv, int D, float scale, int window, int num_threads) {
+    (void)tables; (void)table_stride; (void)block_size;
     (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)out; (void)out_stride;
     (void)seqs; (void)num_seqs; (void)H; (void)Hkv; (void)D; (void)scale; (void)window; (void)num_threads;
     return -3;

@@ -7,7 +7,7 @@ import torch
 from test_attention_cpu import build_batch
 
 from asyncengine.layers.attention_cpu import CpuAttentionBackend, amx_prompt_attention, load_amx_library
-from asyncengine.layers.attention_torch import TorchAttentionBackend, causal_attention
+from asyncengine.layers.attention_torch import TorchAttentionBackend, causal_attention, gather_kv
 
 pytestmark = pytest.mark.skipif(load_amx_library() is None, reason="no AMX-BF16 (or no C compiler)")
 
@@ -88,4 +88,34 @@ def test_backend_routes_prompts_to_the_kernel(query_lens, context_lens) -> None:
     q, k, v, kc, vc, meta = build_batch(query_lens, context_lens, 8, 2, 64, 16, torch.bfloat16)
     got = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
     ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_keys_match_gathered_ones(window) -> None:
+    """With block tables the kernel reads keys in place from the cache (shuffled blocks): the same bits
+    as the same call on the gathered keys."""
+    q, _, _, kc, vc, meta = build_batch([40, 1, 23, 30], [0, 30, 50, 16], 8, 2, 64, 16, torch.bfloat16)
+    tables = meta.block_tables.to(torch.int32).contiguous()
+    seqs, start = [], 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        seqs.append((start, q_len, i, seq_len))
+        start += q_len
+    paged = torch.zeros_like(q)
+    assert amx_prompt_attention(q, kc, vc, paged, seqs, 0.125, window, tables)
+    for s, n, i, seq_len in seqs:
+        keys = gather_kv(kc, meta.block_tables[i], seq_len, q.dtype)
+        values = gather_kv(vc, meta.block_tables[i], seq_len, q.dtype)
+        alone = torch.zeros_like(q)
+        assert amx_prompt_attention(q, keys, values, alone, [(s, n, 0, seq_len)], 0.125, window)
+        assert torch.equal(paged[s:s + n], alone[s:s + n])
+
+
+def test_float8_cache_routes_prompts_by_gather() -> None:
+    """A float8 cache is not the kernel's dtype: fresh prompts go over this step's keys, chunks after
+    context over their widened gathered blocks."""
+    q, k, v, kc, vc, meta = build_batch([40, 1, 23], [0, 30, 50], 8, 2, 64, 16, torch.bfloat16)
+    kc8, vc8 = kc.to(torch.float8_e5m2), vc.to(torch.float8_e5m2)
+    got = CpuAttentionBackend().forward(q, k, v, kc8, vc8, meta, 0.125)
+    ref = TorchAttentionBackend().forward(q, k, v, kc8, vc8, meta, 0.125)
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
