@@ -43,7 +43,7 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
     seed: int = field(default=0, metadata={"help": "seed of unseeded sampling"})
-    enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
+    enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs (nor CPU kernel graphs)"})
     cuda_graph_sizes: tuple[int, ...] | None = field(default=None, metadata={"help": "decode batch sizes to capture"})
     attention_backend: str = field(default="auto", metadata={"help": "auto | torch | cpu | triton"})
     async_scheduling: bool = field(

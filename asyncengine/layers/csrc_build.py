@@ -24,6 +24,14 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-
 PORTABLE_FLAGS = ["-mno-avx512f"]  # the plain-C variants, even where AVX-512 exists (tests cover both)
 
 
+_LOADED: list[ctypes.CDLL] = []  # every library build_library returned, for kernel-graph capture
+
+
+def loaded_libraries() -> list[ctypes.CDLL]:
+    """The kernel libraries loaded so far (worker/kernel_graph.py records calls into them)."""
+    return list(_LOADED)
+
+
 def cache_dir() -> Path:
     root = os.environ.get("ASYNCENGINE_CACHE_DIR") or Path.home() / ".cache" / "asyncengine"
     return Path(root)
@@ -62,4 +70,6 @@ def build_library(source: Path, portable: bool = False) -> ctypes.CDLL | None:
             logger.warning("building %s failed (%s): using PyTorch instead", source.name, e)
             Path(tmp).unlink(missing_ok=True)
             return None
-    return ctypes.CDLL(str(target))
+    lib = ctypes.CDLL(str(target))
+    _LOADED.append(lib)
+    return lib

@@ -23,6 +23,7 @@ from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
 from asyncengine.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from asyncengine.models.loader import load_model
 from asyncengine.worker.input_batch import SeqState, StepBatch
+from asyncengine.worker.kernel_graph import KernelGraphRunner, kernel_graphs_apply
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -82,14 +83,22 @@ class ModelRunner:
             layer.v_cache = zeros(shape, self.kv_dtype, self.device)
             self.kv_caches.append((layer.k_cache, layer.v_cache))
         # Decode steps of the first stage go through the GraphRunner on a GPU (CUDA graphs; eager on
-        # padded static buffers with enforce_eager). Later stages receive their input from the
-        # previous stage and run eagerly (see docs/architecture.md). A CPU runs every step eagerly on
-        # the batch as it is: without graphs, padding to a captured size only adds rows (up to 7 in 40).
-        if self.parallel.is_first_stage and self.device.type == "cuda":
+        # padded static buffers with enforce_eager). Later stages receive their input from the previous
+        # stage and run eagerly (see docs/architecture.md). On a CPU with the C kernels a single-rank,
+        # single-stage worker replays kernel graphs (worker/kernel_graph.py) at every batch size: no
+        # padding. (A pipeline stage's output leaves the process while the next step may already
+        # overwrite the captured buffers, and collectives are not replayed: those run eagerly.)
+        max_blocks = -(-self.max_model_len // self.block_size)
+        single = self.parallel.is_first_stage and self.parallel.is_last_stage and self.parallel.tp_size == 1
+        if single and self.device.type == "cpu" and not self.config.enforce_eager and kernel_graphs_apply():
+            self.graph_runner = KernelGraphRunner(self._decode_forward, max_num_seqs=self.config.max_num_seqs,
+                                                  max_blocks_per_seq=max_blocks,
+                                                  pad_slot_id=num_blocks * self.block_size)
+        elif self.parallel.is_first_stage and self.device.type == "cuda":
             self.graph_runner = GraphRunner(
                 self._decode_forward,
                 max_num_seqs=self.config.max_num_seqs,
-                max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+                max_blocks_per_seq=max_blocks,
                 device=self.device,
                 cuda_graph_sizes=self.config.cuda_graph_sizes,
                 enforce_eager=self.config.enforce_eager,

@@ -1,0 +1,226 @@
+"""Kernel graphs: CUDA-graph-style capture and replay of a CPU decode forward made of C kernel calls.
+
+Why: a CPU decode step is ~100 calls into the C kernels (layers/csrc) glued by Python (module calls,
+shape checks, output allocation, ctypes argument conversion). Measured on the bench's medium model at
+batch 1, the kernels take 8.7 ms of a 12.1 ms step; the other 3.4 ms is that glue, slowed further by
+caches that the kernels' weight and KV streams have just flushed. A replay runs only the recorded
+calls: no modules, no checks, no allocations.
+
+Capture runs the forward once, as usual, while
+* every function of the kernel libraries (csrc_build.loaded_libraries) is swapped for a proxy that
+  records (function, arguments, return value) and calls through;
+* a TorchDispatchMode sees every torch op: allocations and views need no replay (their addresses are
+  what the kernels were given); any other op is recorded as a thunk that recomputes it into the tensor
+  it produced; ops that would bake per-step data into the graph (tensor constants from Python data,
+  reading a tensor into Python, random numbers) abort the capture (GraphUnsupported).
+Every tensor the forward made is kept alive with the graph, so the recorded addresses stay valid.
+Replay calls the recorded steps in order with the recorded arguments and checks each kernel's return
+value against the captured one. Inputs must be in the same tensors as at capture (the GraphRunner's
+static buffers); outputs are the captured tensors, overwritten by the next replay.
+
+Valid because the forward's Python takes no data-dependent branch for a fixed batch shape: the
+kernels make their data-dependent choices (row groups, segments, bad slots) in C, at replay time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from asyncengine.cuda.graph_runner import ForwardFn, GraphRunner, ModelInputs
+from asyncengine.layers.csrc_build import loaded_libraries
+
+logger = logging.getLogger(__name__)
+
+_aten = torch.ops.aten
+# allocations: their contents are whatever the recorded steps write into them
+_ALLOCATIONS = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default}
+# ops whose result would be per-step data frozen into the graph
+_REJECTED = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default, _aten._local_scalar_dense.default}
+MAX_TORCH_OPS = 16  # beyond this many recorded torch ops a replay saves little over the eager forward
+
+
+def kernel_graphs_apply() -> bool:
+    """CPU decode steps are worth capturing where the C kernels load; ASYNCENGINE_KERNEL_GRAPHS=0 turns
+    capture off (A/B), as does enforce_eager."""
+    from asyncengine.layers.attention_cpu import load_kernel_library
+    from asyncengine.layers.cpu_ops import load_ops_library
+
+    if os.environ.get("ASYNCENGINE_KERNEL_GRAPHS", "1") == "0":
+        return False
+    return load_kernel_library() is not None and load_ops_library() is not None
+
+
+class GraphUnsupported(RuntimeError):
+    """The forward did something a replay cannot repeat faithfully."""
+
+
+class KernelGraph:
+    """The recorded steps of one forward, the tensors they touch, and the forward's output."""
+
+    def __init__(self) -> None:
+        self.steps: list[Callable[[], None]] = []
+        self.num_kernel_calls = 0
+        self.num_torch_ops = 0
+        self.keepalive: list[torch.Tensor] = []
+        self.output: Any = None
+
+    @classmethod
+    def capture(cls, forward: Callable[[], Any]) -> KernelGraph:
+        """Runs `forward()` once, recording it; raises GraphUnsupported (after the forward's side effects
+        so far) when it cannot be replayed."""
+        graph = cls()
+        with _recording_kernels(graph), _Recorder(graph):
+            graph.output = forward()
+        return graph
+
+    def replay(self) -> Any:
+        for step in self.steps:
+            step()
+        return self.output
+
+    def _record_kernel(self, fn: Any, args: tuple[Any, ...], result: Any) -> None:
+        name = getattr(fn, "__name__", "kernel")
+
+        def call() -> None:
+            rc = fn(*args)
+            if rc != result:
+                raise RuntimeError(f"{name} returned {rc} on replay where the captured call returned {result}")
+
+        self.steps.append(call)
+        self.num_kernel_calls += 1
+
+    def _record_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if func._schema.is_mutable:  # in place (or out=): repeating the call repeats the effect
+            self.steps.append(lambda: func(*args, **kwargs))
+        else:
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+
+            def recompute() -> None:
+                fresh = [t for t in tree_flatten(func(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
+                for dst, src in zip(outs, fresh, strict=True):
+                    dst.copy_(src)
+
+            self.steps.append(recompute)
+        self.num_torch_ops += 1
+        if self.num_torch_ops > MAX_TORCH_OPS:
+            raise GraphUnsupported(f"more than {MAX_TORCH_OPS} torch ops in the forward (last: {func})")
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: KernelGraph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _REJECTED or torch.Tag.nondeterministic_seeded in func.tags:
+            raise GraphUnsupported(f"{func} cannot be replayed")
+        out = func(*args, **kwargs)
+        tree_map(lambda t: self.graph.keepalive.append(t) if isinstance(t, torch.Tensor) else None, (args, kwargs, out))
+        if func not in _ALLOCATIONS and not _aliases_inputs(out, (args, kwargs)):
+            self.graph._record_op(func, args, kwargs, out)
+        return out
+
+
+def _storages(tree: Any) -> set[int]:
+    # strided tensors only: an opaque one (a oneDNN-packed weight) has no storage to compare
+    return {t.untyped_storage().data_ptr() for t in tree_flatten(tree)[0]
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_mkldnn}
+
+
+def _aliases_inputs(out: Any, inputs: Any) -> bool:
+    """Every output shares memory with an input: a view, nothing to recompute. (The schema's view flag
+    is not enough: aten.to.dtype is flagged a view yet returns a converted copy when the dtype differs.)"""
+    outs = _storages(out)
+    return bool(outs) and outs <= _storages(inputs)
+
+
+class _RecordingCall:
+    """Stands in for a ctypes function while a graph is captured."""
+
+    def __init__(self, fn: Any, graph: KernelGraph) -> None:
+        self.fn, self.graph = fn, graph
+        self.__name__ = getattr(fn, "__name__", "kernel")
+
+    def __call__(self, *args: Any) -> Any:
+        result = self.fn(*args)
+        self.graph._record_kernel(self.fn, args, result)
+        return result
+
+
+class _recording_kernels:
+    """Swaps every loaded kernel function for a _RecordingCall for the duration of the block."""
+
+    def __init__(self, graph: KernelGraph) -> None:
+        self.graph = graph
+        self.saved: list[tuple[ctypes.CDLL, str, Any]] = []
+
+    def __enter__(self) -> None:
+        for lib in loaded_libraries():
+            for name, fn in list(vars(lib).items()):
+                if isinstance(fn, ctypes._CFuncPtr):  # ctypes caches looked-up functions on the instance
+                    self.saved.append((lib, name, fn))
+                    setattr(lib, name, _RecordingCall(fn, self.graph))
+
+    def __exit__(self, *exc: object) -> None:
+        for lib, name, fn in self.saved:
+            setattr(lib, name, fn)
+
+
+class KernelGraphRunner(GraphRunner):
+    """The GraphRunner for CPU workers: decode batches of every size up to max_num_seqs run on static
+    buffers (no padding rows: without graphs they would only add work), captured as a KernelGraph on
+    their first step and replayed after that. The `max_graphs` most recently used sizes are kept (each
+    keeps its forward's activations alive). If a capture fails, decode steps run eagerly from then on."""
+
+    def __init__(self, forward: ForwardFn, max_num_seqs: int, max_blocks_per_seq: int, pad_slot_id: int,
+                 max_graphs: int = 8) -> None:
+        super().__init__(forward, max_num_seqs, max_blocks_per_seq, "cpu",
+                         cuda_graph_sizes=range(1, max_num_seqs + 1), pad_slot_id=pad_slot_id)
+        self.max_graphs = max_graphs
+        self.kernel_graphs: OrderedDict[int, KernelGraph] = OrderedDict()
+        self.enabled = True
+        self.num_captures = 0
+
+    def capture(self) -> None:
+        logger.info("CPU decode steps are captured as kernel graphs on first use (up to %d sizes kept)",
+                    self.max_graphs)
+
+    def run(self, inputs: ModelInputs) -> Any:
+        size = self.padded_size(inputs.num_seqs) if inputs.is_decode_only else None
+        if size is None or not self.enabled:
+            return super().run(inputs)
+        if inputs.block_tables.shape[1] > self.max_blocks_per_seq:
+            raise ValueError(f"block table width {inputs.block_tables.shape[1]} > max_blocks_per_seq "
+                             f"{self.max_blocks_per_seq}")
+        self._copy_in(inputs)  # size == num_seqs: every size has its graph, nothing to pad
+        graph = self.kernel_graphs.get(size)
+        if graph is not None:
+            self.kernel_graphs.move_to_end(size)
+            return graph.replay()
+        views = self._views[size]
+        try:
+            graph = KernelGraph.capture(lambda: self._forward(*views))
+        except GraphUnsupported as e:
+            # the forward stopped part-way; running it again repeats the same writes with the same values
+            logger.warning("CPU decode steps run eagerly: %s", e)
+            self.enabled = False
+            return self._forward(*views)
+        self.num_captures += 1
+        self.kernel_graphs[size] = graph
+        if len(self.kernel_graphs) > self.max_graphs:
+            self.kernel_graphs.popitem(last=False)
+        return graph.output
+
+    def close(self) -> None:
+        self.kernel_graphs.clear()
+        super().close()

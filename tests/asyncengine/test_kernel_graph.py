@@ -1,0 +1,112 @@
+"""CPU kernel graphs (worker/kernel_graph.py): a replayed decode step gives the eager forward's bits."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from asyncengine.config import EngineConfig
+from asyncengine.cuda.graph_runner import ModelInputs
+from asyncengine.layers import cpu_amx
+from asyncengine.layers.attention import set_attention_backend
+from asyncengine.layers.attention_cpu import CpuAttentionBackend
+from asyncengine.layers.parallel import ParallelContext
+from asyncengine.transport.wire import SamplingOptions
+from asyncengine.worker.input_batch import SeqState, StepBatch
+from asyncengine.worker.kernel_graph import (
+    GraphUnsupported,
+    KernelGraph,
+    KernelGraphRunner,
+    kernel_graphs_apply,
+)
+from asyncengine.worker.model_runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(not kernel_graphs_apply(), reason="no C kernels (no compiler)")
+
+
+def decode_inputs(runner: ModelRunner, seqs: list[SeqState], step: int) -> ModelInputs:
+    mi = runner.prepare_model_input(StepBatch(step, seqs, [1] * len(seqs), [0] * len(seqs)))
+    runner._decode_meta = mi.meta
+    meta = mi.meta
+    return ModelInputs(mi.input_ids, mi.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                       meta.query_start_loc)
+
+
+@pytest.mark.parametrize("arch,overrides,captured", [
+    ("llama", {}, True),
+    ("qwen2", {}, True),  # q/k/v biases
+    ("mistral", {"sliding_window": 12}, True),  # windowed attention
+    ("llama", {"num_key_value_heads": 1, "hidden_size": 128}, True),  # GQA 4:1
+    # q/k norms run as torch ops on [T, heads, D] views: more than a replay repeats, so eager throughout
+    ("qwen3", {"head_dim": 32}, False),
+])
+def test_replay_matches_eager_step_by_step(arch: str, overrides: dict[str, Any], captured: bool,
+                                           tiny_model_factory: Any) -> None:
+    path = tiny_model_factory(arch, **overrides)
+    set_attention_backend(CpuAttentionBackend())
+    cfg = EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=8)
+    runner = ModelRunner(cfg, ParallelContext(), torch.device("cpu"), torch.bfloat16, 128)
+    runner.init_cache(8 * 8)
+    graphs = runner.graph_runner
+    assert isinstance(graphs, KernelGraphRunner)
+    rng = random.Random(0)
+    seqs = [SeqState(i, [rng.randrange(500) for _ in range(5 + 7 * i)], 0, list(range(8 * i, 8 * i + 8)), 0,
+                     SamplingOptions(temperature=0.0)) for i in range(6)]
+    with torch.inference_mode():
+        out = runner.execute_model(runner.prepare_model_input(
+            StepBatch(0, seqs, [len(s.token_ids) for s in seqs], [0] * len(seqs))), None)
+        for s, t in zip(seqs, out.token_ids):
+            s.num_computed_tokens = len(s.token_ids)
+            s.token_ids.append(t)
+        for step in range(12):
+            batch = seqs if step < 6 else seqs[1:4]  # a new batch size mid-way: a second graph
+            inputs = decode_inputs(runner, batch, step)
+            got = graphs.run(inputs).clone()  # captured on the first step of a size, replayed after
+            enabled, graphs.enabled = graphs.enabled, False
+            want = graphs.run(inputs).clone()  # the eager forward on the same buffers
+            graphs.enabled = enabled
+            assert torch.equal(got, want), f"step {step}"
+            tokens = runner.model.compute_logits(want).argmax(-1).tolist()
+            for s, t in zip(batch, tokens):
+                s.num_computed_tokens += 1
+                s.token_ids.append(t)
+    if captured and cpu_amx.available():  # without AMX the linears are oneDNN torch ops: eager throughout
+        assert graphs.enabled and graphs.num_captures == 2 and set(graphs.kernel_graphs) == {6, 3}
+    if not captured:
+        assert not graphs.enabled and not graphs.kernel_graphs
+
+
+def test_ops_that_freeze_step_data_abort_the_capture() -> None:
+    x = torch.arange(4.0)
+    with pytest.raises(GraphUnsupported):
+        KernelGraph.capture(lambda: x.sum().item())  # data read into Python
+    with pytest.raises(GraphUnsupported):
+        KernelGraph.capture(lambda: torch.rand(3))  # a random draw
+
+
+def test_torch_ops_are_recomputed_views_are_not() -> None:
+    x = torch.arange(6.0)
+    graph = KernelGraph.capture(lambda: (x.view(2, 3) * 2).to(torch.float64))
+    assert graph.num_torch_ops == 2  # mul, and the conversion (flagged a view, yet a copy)
+    x.add_(1)
+    assert torch.equal(graph.replay(), ((torch.arange(6.0) + 1).view(2, 3) * 2).double())
+
+
+def test_graphs_are_kept_for_the_most_recent_sizes(tiny_model_factory: Any) -> None:
+    path = tiny_model_factory("llama")
+    set_attention_backend(CpuAttentionBackend())
+    cfg = EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=8)
+    runner = ModelRunner(cfg, ParallelContext(), torch.device("cpu"), torch.bfloat16, 64)
+    runner.init_cache(64)
+    graphs = runner.graph_runner
+    assert isinstance(graphs, KernelGraphRunner)
+    graphs.max_graphs = 2
+    seqs = [SeqState(i, [3 + i, 4, 5], 3, [i], 0, SamplingOptions(temperature=0.0)) for i in range(4)]
+    with torch.inference_mode():
+        for n in (1, 2, 3, 2):
+            graphs.run(decode_inputs(runner, seqs[:n], 0))
+    if cpu_amx.available():
+        assert list(graphs.kernel_graphs) == [3, 2] and graphs.num_captures == 3
