@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from asyncengine.cuda.graph_runner import ForwardFn, GraphRunner, ModelInputs
+from asyncengine.cuda.graph_runner import ForwardFn, GraphRunner, ModelInputs, slice_rows
 from asyncengine.layers.csrc_build import loaded_libraries
 
 logger = logging.getLogger(__name__)
@@ -125,23 +125,24 @@ class _Recorder(TorchDispatchMode):
         if func in _REJECTED or torch.Tag.nondeterministic_seeded in func.tags:
             raise GraphUnsupported(f"{func} cannot be replayed")
         out = func(*args, **kwargs)
-        tree_map(lambda t: self.graph.keepalive.append(t) if isinstance(t, torch.Tensor) else None, (args, kwargs, out))
-        if func not in _ALLOCATIONS and not _aliases_inputs(out, (args, kwargs)):
+        if func in _ALLOCATIONS:
+            self.graph.keepalive.append(out)
+        elif not (func.is_view and _aliases_input(out, args)):
+            tree_map(lambda t: self.graph.keepalive.append(t) if isinstance(t, torch.Tensor) else None, (args, kwargs, out))
             self.graph._record_op(func, args, kwargs, out)
+        # a view needs nothing: its memory is its input's, which is kept or lives outside the forward
         return out
 
 
-def _storages(tree: Any) -> set[int]:
-    # strided tensors only: an opaque one (a oneDNN-packed weight) has no storage to compare
-    return {t.untyped_storage().data_ptr() for t in tree_flatten(tree)[0]
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_mkldnn}
-
-
-def _aliases_inputs(out: Any, inputs: Any) -> bool:
-    """Every output shares memory with an input: a view, nothing to recompute. (The schema's view flag
-    is not enough: aten.to.dtype is flagged a view yet returns a converted copy when the dtype differs.)"""
-    outs = _storages(out)
-    return bool(outs) and outs <= _storages(inputs)
+def _aliases_input(out: Any, args: tuple[Any, ...]) -> bool:
+    """The (first) output shares memory with a positional input. (The schema's view flag is not enough:
+    aten.to.dtype is flagged a view yet returns a converted copy when the dtype differs.)"""
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    if not isinstance(first, torch.Tensor) or first.layout != torch.strided:
+        return False
+    ptr = first.untyped_storage().data_ptr()
+    return any(isinstance(a, torch.Tensor) and a.layout == torch.strided and not a.is_mkldnn
+               and a.untyped_storage().data_ptr() == ptr for a in args)
 
 
 class _RecordingCall:
@@ -176,16 +177,22 @@ class _recording_kernels:
             setattr(lib, name, fn)
 
 
+def kernel_graph_sizes(max_num_seqs: int) -> list[int]:
+    """Multiples of 16 (and max_num_seqs): the AMX GEMMs compute whole 16-row tiles anyway, so rows padded
+    up to one cost little, and few sizes mean few captures (each costs ~20 ms of Python over its step)."""
+    return sorted({*range(16, max_num_seqs + 1, 16), max_num_seqs})
+
+
 class KernelGraphRunner(GraphRunner):
-    """The GraphRunner for CPU workers: decode batches of every size up to max_num_seqs run on static
-    buffers (no padding rows: without graphs they would only add work), captured as a KernelGraph on
-    their first step and replayed after that. The `max_graphs` most recently used sizes are kept (each
-    keeps its forward's activations alive). If a capture fails, decode steps run eagerly from then on."""
+    """The GraphRunner for CPU workers: decode batches are padded to a kernel_graph_sizes() size in the
+    static buffers, captured as a KernelGraph on the first step at that size and replayed after that.
+    The `max_graphs` most recently used sizes are kept (each keeps its forward's activations alive). If
+    a capture fails, decode steps run eagerly from then on."""
 
     def __init__(self, forward: ForwardFn, max_num_seqs: int, max_blocks_per_seq: int, pad_slot_id: int,
                  max_graphs: int = 8) -> None:
         super().__init__(forward, max_num_seqs, max_blocks_per_seq, "cpu",
-                         cuda_graph_sizes=range(1, max_num_seqs + 1), pad_slot_id=pad_slot_id)
+                         cuda_graph_sizes=kernel_graph_sizes(max_num_seqs), pad_slot_id=pad_slot_id)
         self.max_graphs = max_graphs
         self.kernel_graphs: OrderedDict[int, KernelGraph] = OrderedDict()
         self.enabled = True
@@ -202,11 +209,12 @@ class KernelGraphRunner(GraphRunner):
         if inputs.block_tables.shape[1] > self.max_blocks_per_seq:
             raise ValueError(f"block table width {inputs.block_tables.shape[1]} > max_blocks_per_seq "
                              f"{self.max_blocks_per_seq}")
-        self._copy_in(inputs)  # size == num_seqs: every size has its graph, nothing to pad
+        self._copy_in(inputs)
+        self._fill_padding(inputs.num_seqs, size)  # padding rows write the scratch slot and read nothing
         graph = self.kernel_graphs.get(size)
         if graph is not None:
             self.kernel_graphs.move_to_end(size)
-            return graph.replay()
+            return slice_rows(graph.replay(), inputs.num_seqs)
         views = self._views[size]
         try:
             graph = KernelGraph.capture(lambda: self._forward(*views))
@@ -214,12 +222,12 @@ class KernelGraphRunner(GraphRunner):
             # the forward stopped part-way; running it again repeats the same writes with the same values
             logger.warning("CPU decode steps run eagerly: %s", e)
             self.enabled = False
-            return self._forward(*views)
+            return slice_rows(self._forward(*views), inputs.num_seqs)
         self.num_captures += 1
         self.kernel_graphs[size] = graph
         if len(self.kernel_graphs) > self.max_graphs:
             self.kernel_graphs.popitem(last=False)
-        return graph.output
+        return slice_rows(graph.output, inputs.num_seqs)
 
     def close(self) -> None:
         self.kernel_graphs.clear()

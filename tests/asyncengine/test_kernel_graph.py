@@ -11,7 +11,7 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.cuda.graph_runner import ModelInputs
 from asyncengine.layers import cpu_amx
-from asyncengine.layers.attention import set_attention_backend
+from asyncengine.layers.attention import forward_context, set_attention_backend
 from asyncengine.layers.attention_cpu import CpuAttentionBackend
 from asyncengine.layers.parallel import ParallelContext
 from asyncengine.transport.wire import SamplingOptions
@@ -20,6 +20,7 @@ from asyncengine.worker.kernel_graph import (
     GraphUnsupported,
     KernelGraph,
     KernelGraphRunner,
+    kernel_graph_sizes,
     kernel_graphs_apply,
 )
 from asyncengine.worker.model_runner import ModelRunner
@@ -62,19 +63,23 @@ def test_replay_matches_eager_step_by_step(arch: str, overrides: dict[str, Any],
             s.num_computed_tokens = len(s.token_ids)
             s.token_ids.append(t)
         for step in range(12):
-            batch = seqs if step < 6 else seqs[1:4]  # a new batch size mid-way: a second graph
+            batch = seqs if step < 6 else seqs[1:4]  # fewer sequences mid-way: more padding rows
             inputs = decode_inputs(runner, batch, step)
             got = graphs.run(inputs).clone()  # captured on the first step of a size, replayed after
             enabled, graphs.enabled = graphs.enabled, False
             want = graphs.run(inputs).clone()  # the eager forward on the same buffers
             graphs.enabled = enabled
             assert torch.equal(got, want), f"step {step}"
+            with forward_context(runner._decode_meta):  # the batch as it is, no padding rows: same bits
+                unpadded = runner.model(inputs.input_ids, inputs.positions, None)
+            assert torch.equal(got, unpadded), f"step {step}"
             tokens = runner.model.compute_logits(want).argmax(-1).tolist()
             for s, t in zip(batch, tokens):
                 s.num_computed_tokens += 1
                 s.token_ids.append(t)
     if captured and cpu_amx.available():  # without AMX the linears are oneDNN torch ops: eager throughout
-        assert graphs.enabled and graphs.num_captures == 2 and set(graphs.kernel_graphs) == {6, 3}
+        # 6 and then 3 sequences both run padded to max_num_seqs (8): one graph
+        assert graphs.enabled and graphs.num_captures == 1 and set(graphs.kernel_graphs) == {8}
     if not captured:
         assert not graphs.enabled and not graphs.kernel_graphs
 
@@ -96,17 +101,19 @@ def test_torch_ops_are_recomputed_views_are_not() -> None:
 
 
 def test_graphs_are_kept_for_the_most_recent_sizes(tiny_model_factory: Any) -> None:
+    assert kernel_graph_sizes(40) == [16, 32, 40] and kernel_graph_sizes(8) == [8]
     path = tiny_model_factory("llama")
     set_attention_backend(CpuAttentionBackend())
-    cfg = EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=8)
+    cfg = EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=40)
     runner = ModelRunner(cfg, ParallelContext(), torch.device("cpu"), torch.bfloat16, 64)
     runner.init_cache(64)
     graphs = runner.graph_runner
     assert isinstance(graphs, KernelGraphRunner)
     graphs.max_graphs = 2
-    seqs = [SeqState(i, [3 + i, 4, 5], 3, [i], 0, SamplingOptions(temperature=0.0)) for i in range(4)]
+    seqs = [SeqState(i, [3 + i, 4, 5], 3, [i], 0, SamplingOptions(temperature=0.0)) for i in range(40)]
     with torch.inference_mode():
-        for n in (1, 2, 3, 2):
-            graphs.run(decode_inputs(runner, seqs[:n], 0))
+        for n in (1, 17, 33, 20):  # sizes 16, 32, 40 (evicts 16), 32 again
+            out = graphs.run(decode_inputs(runner, seqs[:n], 0))
+            assert out.shape[0] == n  # padding rows sliced off
     if cpu_amx.available():
-        assert list(graphs.kernel_graphs) == [3, 2] and graphs.num_captures == 3
+        assert list(graphs.kernel_graphs) == [40, 32] and graphs.num_captures == 3
