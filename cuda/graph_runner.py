@@ -63,14 +63,14 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def slice_rows(out: Any, n: int) -> Any:
+def _slice_rows(out: Any, n: int) -> Any:
     """First n token rows of a tensor, or of every tensor in a tuple/list/dict (e.g. hidden + residual)."""
     if isinstance(out, torch.Tensor):
         return out[:n]
     if isinstance(out, dict):
-        return {key: slice_rows(value, n) for key, value in out.items()}
+        return {key: _slice_rows(value, n) for key, value in out.items()}
     if isinstance(out, (tuple, list)):
-        return type(out)(slice_rows(value, n) for value in out)
+        return type(out)(_slice_rows(value, n) for value in out)
     return out
 
 
@@ -226,11 +226,15 @@ class GraphRunner:
             )
         self._copy_in(inputs)
         self._fill_padding(num_seqs, size)
+        return _slice_rows(self._run_static(size), num_seqs)
+
+    def _run_static(self, size: int) -> Any:
+        """The forward on the static buffers at `size` (filled and padded): its graph, or eagerly."""
         graph = self._graphs.get(size)
         if graph is None:
-            return slice_rows(self._forward(*self._views[size]), num_seqs)
+            return self._forward(*self._views[size])
         graph.replay()
-        return slice_rows(self._outputs[size], num_seqs)
+        return self._outputs[size]
 
     def _copy_in(self, inputs: ModelInputs) -> None:
         b, n, width = self._buffers, inputs.num_seqs, inputs.block_tables.shape[1]

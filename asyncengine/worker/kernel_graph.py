@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from asyncengine.cuda.graph_runner import ForwardFn, GraphRunner, ModelInputs, slice_rows
+from asyncengine.cuda.graph_runner import ForwardFn, GraphRunner
 from asyncengine.layers.csrc_build import loaded_libraries
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,8 @@ def kernel_graph_sizes(max_num_seqs: int) -> list[int]:
 
 class KernelGraphRunner(GraphRunner):
     """The GraphRunner for CPU workers: decode batches are padded to a kernel_graph_sizes() size in the
-    static buffers, captured as a KernelGraph on the first step at that size and replayed after that.
+    static buffers (GraphRunner.run), captured as a KernelGraph on the first step at that size and
+    replayed after that.
     The `max_graphs` most recently used sizes are kept (each keeps its forward's activations alive). If
     a capture fails, decode steps run eagerly from then on."""
 
@@ -202,19 +203,13 @@ class KernelGraphRunner(GraphRunner):
         logger.info("CPU decode steps are captured as kernel graphs on first use (up to %d sizes kept)",
                     self.max_graphs)
 
-    def run(self, inputs: ModelInputs) -> Any:
-        size = self.padded_size(inputs.num_seqs) if inputs.is_decode_only else None
-        if size is None or not self.enabled:
-            return super().run(inputs)
-        if inputs.block_tables.shape[1] > self.max_blocks_per_seq:
-            raise ValueError(f"block table width {inputs.block_tables.shape[1]} > max_blocks_per_seq "
-                             f"{self.max_blocks_per_seq}")
-        self._copy_in(inputs)
-        self._fill_padding(inputs.num_seqs, size)  # padding rows write the scratch slot and read nothing
+    def _run_static(self, size: int) -> Any:
+        if not self.enabled:
+            return super()._run_static(size)
         graph = self.kernel_graphs.get(size)
         if graph is not None:
             self.kernel_graphs.move_to_end(size)
-            return slice_rows(graph.replay(), inputs.num_seqs)
+            return graph.replay()
         views = self._views[size]
         try:
             graph = KernelGraph.capture(lambda: self._forward(*views))
@@ -223,12 +218,12 @@ class KernelGraphRunner(GraphRunner):
             # Expected where the linears are torch ops (float32, oneDNN), hence info, not a warning.
             logger.info("CPU decode steps run eagerly: %s", e)
             self.enabled = False
-            return slice_rows(self._forward(*views), inputs.num_seqs)
+            return self._forward(*views)
         self.num_captures += 1
         self.kernel_graphs[size] = graph
         if len(self.kernel_graphs) > self.max_graphs:
             self.kernel_graphs.popitem(last=False)
-        return slice_rows(graph.output, inputs.num_seqs)
+        return graph.output
 
     def close(self) -> None:
         self.kernel_graphs.clear()

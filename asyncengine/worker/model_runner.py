@@ -85,8 +85,8 @@ class ModelRunner:
         # Decode steps of the first stage go through the GraphRunner on a GPU (CUDA graphs; eager on
         # padded static buffers with enforce_eager). Later stages receive their input from the previous
         # stage and run eagerly (see docs/architecture.md). On a CPU with the C kernels a single-rank,
-        # single-stage worker replays kernel graphs (worker/kernel_graph.py) at every batch size: no
-        # padding. (A pipeline stage's output leaves the process while the next step may already
+        # single-stage worker replays kernel graphs (worker/kernel_graph.py), padded to multiples of 16
+        # rows. (A pipeline stage's output leaves the process while the next step may already
         # overwrite the captured buffers, and collectives are not replayed: those run eagerly.)
         max_blocks = -(-self.max_model_len // self.block_size)
         single = self.parallel.is_first_stage and self.parallel.is_last_stage and self.parallel.tp_size == 1
