@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from asyncengine.layers import cpu_amx
 from asyncengine.layers.attention import AttentionMetadata
 from asyncengine.layers.attention_torch import TorchAttentionBackend, causal_attention, gather_kv
 from asyncengine.layers.csrc_build import build_library
@@ -61,7 +61,7 @@ def load_kernel_library(portable: bool = False) -> ctypes.CDLL | None:
 def load_amx_library() -> ctypes.CDLL | None:
     """The AMX prompt-attention kernel (csrc/amx_attention.c), or None where it cannot run: no compiler,
     no AMX-BF16, tile state not granted, or ASYNCENGINE_CPU_AMX=0."""
-    if os.environ.get("ASYNCENGINE_CPU_AMX", "1") == "0":
+    if not cpu_amx.allowed():
         return None
     lib = build_library(AMX_SOURCE)
     if lib is None:
@@ -89,10 +89,13 @@ def amx_prompt_attention(
 
     With `tables`, each sequence's keys are read in place from the paged cache k / v through its block
     table, and a sequence's third field is the row of `tables` that holds that table."""
-    lib = load_amx_library()
     head_dim = q.shape[-1]
-    if (lib is None or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
+    # the shape and dtype first: a float32 worker never builds the library nor asks for AMX tile state
+    if (q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
             or head_dim % 32 or head_dim > 256 or q.device.type != "cpu"):
+        return False
+    lib = load_amx_library()
+    if lib is None:
         return False
     block_size = 0
     if tables is not None:

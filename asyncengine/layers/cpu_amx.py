@@ -47,10 +47,15 @@ class AmxWeight(NamedTuple):
         return self.data.numel()
 
 
+def allowed() -> bool:
+    """ASYNCENGINE_CPU_AMX=0 keeps every AMX kernel off (these GEMMs and layers/csrc/amx_attention.c)."""
+    return os.environ.get("ASYNCENGINE_CPU_AMX", "1") != "0"
+
+
 @cache
 def load_library() -> ctypes.CDLL | None:
     """The kernel library, or None where it cannot run: no compiler, no AMX-BF16, tiles not granted."""
-    if os.environ.get("ASYNCENGINE_CPU_AMX", "1") == "0":
+    if not allowed():
         return None
     lib = build_library(SOURCE)
     if lib is None:
