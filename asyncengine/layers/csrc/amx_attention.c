@@ -23,32 +23,15 @@
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include "amx_common.h" /* request_tiles, configure_tiles, TILE */
 #include "cpu_common.h" /* exp512: the softmax's exp, as in paged_attention.c */
-#include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-#define TILE 512 /* bfloat16 per 1 KiB tile */
 #define MAX_HEAD_DIM 256
 
-int amx_attention_available(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+int amx_attention_available(void) { return request_tiles(); }
 
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
-
-/* Every tile 16 rows x 64 bytes: 0-3 float32 accumulators, 4 the A operand (Q or P), 6 and 7 B tiles. */
-static void configure_tiles(void) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = 16;
-    }
-    _tile_loadconfig(&c);
-}
+/* Tiles (configure_tiles(16)): 0-3 float32 accumulators, 4 the A operand (Q or P), 6 and 7 B tiles. */
 
 static inline int ceil_to(int n, int m) { return (n + m - 1) / m * m; }
 
@@ -327,7 +310,7 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
         }
 #pragma omp barrier
         if (!failed) {
-            configure_tiles();
+            configure_tiles(16);
             if (fused) {
 #pragma omp for schedule(dynamic, 1)
                 for (long i = 0; i < n_work; i++) {

@@ -33,14 +33,10 @@
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include "amx_common.h" /* request_tiles, TileConfig, configure_tiles, TILE */
 #include "cpu_common.h" /* exp512: the same SiLU as cpu_ops.c's silu_and_mul */
-#include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define ROW_BLOCK 256
 #ifndef LARGE_M
 #define LARGE_M 128
@@ -51,10 +47,7 @@
 #ifndef STAGE_GROUPS
 #define STAGE_GROUPS 8
 #endif
-#define TILE 512 /* bfloat16 per 1 KiB tile */
-
-/* Linux hands out AMX's tile state only to processes that ask for it (once per process). */
-int amx_available(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+int amx_available(void) { return request_tiles(); }
 
 size_t amx_packed_size(int N, int K) { return (size_t)((N + 15) / 16) * (size_t)(K / 32) * TILE; }
 
@@ -88,19 +81,7 @@ void amx_pack_bf16_gated(const uint16_t *w, uint16_t *packed, int N, int K) {
     }
 }
 
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
-
-/* tiles 0-3: float32 accumulators; 4, 5: rows of x; 6, 7: weight tiles. `rows` rows of x per tile. */
-static void configure_tiles(int rows) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = t >= 6 ? 16 : rows;
-    }
-    _tile_loadconfig(&c);
-}
+/* configure_tiles (amx_common.h): tiles 4, 5 hold rows of x, 6, 7 weight tiles. */
 
 /* The four accumulator tiles (0-3): zeroed, or loaded from / stored to 4 x 256 floats at p (tile t at p + 256 t). */
 static inline void zero_accs(void) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
