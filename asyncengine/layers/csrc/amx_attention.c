@@ -120,6 +120,23 @@ static void pack_kv(const Call *c, int s, int g, uint16_t *kt, uint16_t *vt) {
 }
 
 
+/* Accumulators j < n (tiles 0-3) += A tile 4 times the B tiles b + j * step (B in tiles 6 and 7 by turns). */
+static inline void products(const uint16_t *b, size_t step, int n) {
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (n > 1) { _tile_loadd(7, b + step, 64); _tile_dpbf16ps(1, 4, 7); }
+    if (n > 2) { _tile_loadd(6, b + 2 * step, 64); _tile_dpbf16ps(2, 4, 6); }
+    if (n > 3) { _tile_loadd(7, b + 3 * step, 64); _tile_dpbf16ps(3, 4, 7); }
+}
+
+/* Accumulators j < n to dst + j * step floats, rows `stride` bytes apart. */
+static inline void store_accs(float *dst, size_t step, long stride, int n) {
+    _tile_stored(0, dst, stride);
+    if (n > 1) _tile_stored(1, dst + step, stride);
+    if (n > 2) _tile_stored(2, dst + 2 * step, stride);
+    if (n > 3) _tile_stored(3, dst + 3 * step, stride);
+}
+
 /* Per-thread scratch of a call: scores, probabilities, output tiles, a zero-padded query tile. */
 typedef struct { float *S, *O; uint16_t *P, *Q; } Scratch;
 
@@ -152,18 +169,9 @@ static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, con
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         for (int db = 0; db < DB32; db++) {
             _tile_loadd(4, qa + db * 32, qs * 2);
-            const uint16_t *b = kt + ((size_t)kb * DB32 + db) * TILE;
-            _tile_loadd(6, b, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            if (nb > 1) { _tile_loadd(7, b + (size_t)DB32 * TILE, 64); _tile_dpbf16ps(1, 4, 7); }
-            if (nb > 2) { _tile_loadd(6, b + (size_t)2 * DB32 * TILE, 64); _tile_dpbf16ps(2, 4, 6); }
-            if (nb > 3) { _tile_loadd(7, b + (size_t)3 * DB32 * TILE, 64); _tile_dpbf16ps(3, 4, 7); }
+            products(kt + ((size_t)kb * DB32 + db) * TILE, (size_t)DB32 * TILE, nb);
         }
-        float *sc = S + (kb * 16 - ka);
-        _tile_stored(0, sc, ld * 4);
-        if (nb > 1) _tile_stored(1, sc + 16, ld * 4);
-        if (nb > 2) _tile_stored(2, sc + 32, ld * 4);
-        if (nb > 3) _tile_stored(3, sc + 48, ld * 4);
+        store_accs(S + (kb * 16 - ka), 16, ld * 4, nb);
     }
     /* softmax of each row over the keys it sees; P = bf16(exp), zero elsewhere (and on padding rows) */
     float inv_sum[16];
@@ -194,17 +202,9 @@ static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, con
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         for (int kb = ka / 32; kb < kend32 / 32; kb++) {
             _tile_loadd(4, P + (kb * 32 - ka), ld * 2);
-            const uint16_t *b = vt + ((size_t)kb * DB16 + d0) * TILE;
-            _tile_loadd(6, b, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            if (nd > 1) { _tile_loadd(7, b + TILE, 64); _tile_dpbf16ps(1, 4, 7); }
-            if (nd > 2) { _tile_loadd(6, b + 2 * TILE, 64); _tile_dpbf16ps(2, 4, 6); }
-            if (nd > 3) { _tile_loadd(7, b + 3 * TILE, 64); _tile_dpbf16ps(3, 4, 7); }
+            products(vt + ((size_t)kb * DB16 + d0) * TILE, TILE, nd);
         }
-        _tile_stored(0, O, 64);
-        if (nd > 1) _tile_stored(1, O + 256, 64);
-        if (nd > 2) _tile_stored(2, O + 512, 64);
-        if (nd > 3) _tile_stored(3, O + 768, 64);
+        store_accs(O, 256, 64, nd);
         for (int r = 0; r < nr; r++) {
             uint16_t *o = out + (long)(q_row + r0 + r) * out_stride + h * D + d0 * 16;
             const __m512 inv = _mm512_set1_ps(inv_sum[r]);
@@ -215,14 +215,17 @@ static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, con
     }
 }
 
-/* The packed K / V of (sequence s, KV head g) in `kv`: its K tiles, then its V tiles. */
-static inline uint16_t *unit_tiles(uint16_t *kv, const size_t *base, const int *seqs, int s, int g, int D) {
-    const int len = seqs[4 * s + 3];
-    return kv + base[s] + (size_t)g * (ceil_to(len, 16) + ceil_to(len, 32)) * D;
-}
+/* A (sequence, KV head)'s packed tiles: K tiles for its keys rounded up to 16, then V tiles for them
+ * rounded up to 32. */
+static inline size_t unit_size(int len, int D) { return (size_t)(ceil_to(len, 16) + ceil_to(len, 32)) * D; }
 
-static void pack_unit(const Call *c, uint16_t *tiles, int s, int g) {
-    pack_kv(c, s, g, tiles, tiles + (size_t)ceil_to(c->seqs[4 * s + 3], 16) * c->D);
+typedef struct { uint16_t *k, *v; } UnitTiles;
+
+/* Sequence s, KV head g's tiles in `kv`, where base[s] is where sequence s's units start. */
+static inline UnitTiles unit_tiles(uint16_t *kv, const size_t *base, const int *seqs, int s, int g, int D) {
+    const int len = seqs[4 * s + 3];
+    uint16_t *k = kv + base[s] + (size_t)g * unit_size(len, D);
+    return (UnitTiles){k, k + (size_t)ceil_to(len, 16) * D};
 }
 
 typedef struct { long cost; int index; } Ranked;
@@ -252,7 +255,7 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
         const int q_len = seqs[4 * s + 1], kv_len = seqs[4 * s + 3];
         if (q_len < 0 || q_len > kv_len) return -1;
         max_kv = kv_len > max_kv ? kv_len : max_kv;
-        packed += (size_t)Hkv * (ceil_to(kv_len, 16) + ceil_to(kv_len, 32)) * D;
+        packed += Hkv * unit_size(kv_len, D);
         items += (size_t)H * ((q_len + 15) / 16);
     }
     if (!items) return 0;
@@ -278,7 +281,7 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
     if (!failed) {
         base[0] = 0;
         for (int s = 0; s < num_seqs; s++)
-            base[s + 1] = base[s] + (size_t)Hkv * (ceil_to(seqs[4 * s + 3], 16) + ceil_to(seqs[4 * s + 3], 32)) * D;
+            base[s + 1] = base[s] + Hkv * unit_size(seqs[4 * s + 3], D);
         /* the costliest first, for the dynamic schedule: a unit's cost grows with q_len * kv_len, a query
          * tile's with its last key */
         long n = 0, tiles_before = 0;
@@ -315,15 +318,17 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
 #pragma omp for schedule(dynamic, 1)
                 for (long i = 0; i < n_work; i++) {
                     const int s = work[i].index / Hkv, g = work[i].index % Hkv, tiles = (seqs[4 * s + 1] + 15) / 16;
-                    uint16_t *kt = unit_tiles(kv, base, seqs, s, g, D);
-                    pack_unit(&c, kt, s, g);
-                    const uint16_t *vt = kt + (size_t)ceil_to(seqs[4 * s + 3], 16) * D;
+                    const UnitTiles u = unit_tiles(kv, base, seqs, s, g, D);
+                    pack_kv(&c, s, g, u.k, u.v);
                     for (int h = g * group; h < (g + 1) * group; h++)
-                        for (int t = tiles - 1; t >= 0; t--) query_tile(&c, &w, s, h, t, kt, vt);
+                        for (int t = tiles - 1; t >= 0; t--) query_tile(&c, &w, s, h, t, u.k, u.v);
                 }
             } else {
 #pragma omp for schedule(dynamic, 1)
-                for (int i = 0; i < units; i++) pack_unit(&c, unit_tiles(kv, base, seqs, i / Hkv, i % Hkv, D), i / Hkv, i % Hkv);
+                for (int i = 0; i < units; i++) {
+                    const UnitTiles u = unit_tiles(kv, base, seqs, i / Hkv, i % Hkv, D);
+                    pack_kv(&c, i / Hkv, i % Hkv, u.k, u.v);
+                }
 #pragma omp for schedule(dynamic, 1)
                 for (long i = 0; i < n_work; i++) {
                     /* index = (tiles of the earlier sequences + t) * H + h; sequences are few here (fewer
@@ -331,8 +336,8 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
                     int s = 0, t = work[i].index / H;
                     const int h = work[i].index % H;
                     while (t >= (seqs[4 * s + 1] + 15) / 16) t -= (seqs[4 * s + 1] + 15) / 16, s++;
-                    const uint16_t *kt = unit_tiles(kv, base, seqs, s, h / group, D);
-                    query_tile(&c, &w, s, h, t, kt, kt + (size_t)ceil_to(seqs[4 * s + 3], 16) * D);
+                    const UnitTiles u = unit_tiles(kv, base, seqs, s, h / group, D);
+                    query_tile(&c, &w, s, h, t, u.k, u.v);
                 }
             }
             _tile_release();
