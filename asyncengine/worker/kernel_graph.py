@@ -36,6 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from asyncengine.cuda.graph_runner import ForwardFn, GraphRunner
+from asyncengine.layers.attention_cpu import load_kernel_library
+from asyncengine.layers.cpu_ops import load_ops_library
 from asyncengine.layers.csrc_build import loaded_libraries
 
 logger = logging.getLogger(__name__)
@@ -51,9 +53,6 @@ MAX_TORCH_OPS = 16  # beyond this many recorded torch ops a replay saves little 
 def kernel_graphs_apply() -> bool:
     """CPU decode steps are worth capturing where the C kernels load; ASYNCENGINE_KERNEL_GRAPHS=0 turns
     capture off (A/B), as does enforce_eager."""
-    from asyncengine.layers.attention_cpu import load_kernel_library
-    from asyncengine.layers.cpu_ops import load_ops_library
-
     if os.environ.get("ASYNCENGINE_KERNEL_GRAPHS", "1") == "0":
         return False
     return load_kernel_library() is not None and load_ops_library() is not None

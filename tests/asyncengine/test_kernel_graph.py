@@ -28,6 +28,16 @@ from asyncengine.worker.model_runner import ModelRunner
 pytestmark = pytest.mark.skipif(not kernel_graphs_apply(), reason="no C kernels (no compiler)")
 
 
+def make_runner(path: Any, max_num_seqs: int, max_len: int, num_blocks: int) -> tuple[ModelRunner, KernelGraphRunner]:
+    set_attention_backend(CpuAttentionBackend())
+    cfg = EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=max_num_seqs)
+    runner = ModelRunner(cfg, ParallelContext(), torch.device("cpu"), torch.bfloat16, max_len)
+    runner.init_cache(num_blocks)
+    graphs = runner.graph_runner
+    assert isinstance(graphs, KernelGraphRunner)
+    return runner, graphs
+
+
 def decode_inputs(runner: ModelRunner, seqs: list[SeqState], step: int) -> ModelInputs:
     mi = runner.prepare_model_input(StepBatch(step, seqs, [1] * len(seqs), [0] * len(seqs)))
     runner._decode_meta = mi.meta
@@ -46,13 +56,7 @@ def decode_inputs(runner: ModelRunner, seqs: list[SeqState], step: int) -> Model
 ])
 def test_replay_matches_eager_step_by_step(arch: str, overrides: dict[str, Any], captured: bool,
                                            tiny_model_factory: Any) -> None:
-    path = tiny_model_factory(arch, **overrides)
-    set_attention_backend(CpuAttentionBackend())
-    cfg = EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=8)
-    runner = ModelRunner(cfg, ParallelContext(), torch.device("cpu"), torch.bfloat16, 128)
-    runner.init_cache(8 * 8)
-    graphs = runner.graph_runner
-    assert isinstance(graphs, KernelGraphRunner)
+    runner, graphs = make_runner(tiny_model_factory(arch, **overrides), 8, 128, 8 * 8)
     rng = random.Random(0)
     seqs = [SeqState(i, [rng.randrange(500) for _ in range(5 + 7 * i)], 0, list(range(8 * i, 8 * i + 8)), 0,
                      SamplingOptions(temperature=0.0)) for i in range(6)]
@@ -102,13 +106,7 @@ def test_torch_ops_are_recomputed_views_are_not() -> None:
 
 def test_graphs_are_kept_for_the_most_recent_sizes(tiny_model_factory: Any) -> None:
     assert kernel_graph_sizes(40) == [16, 32, 40] and kernel_graph_sizes(8) == [8]
-    path = tiny_model_factory("llama")
-    set_attention_backend(CpuAttentionBackend())
-    cfg = EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=40)
-    runner = ModelRunner(cfg, ParallelContext(), torch.device("cpu"), torch.bfloat16, 64)
-    runner.init_cache(64)
-    graphs = runner.graph_runner
-    assert isinstance(graphs, KernelGraphRunner)
+    runner, graphs = make_runner(tiny_model_factory("llama"), 40, 64, 64)
     graphs.max_graphs = 2
     seqs = [SeqState(i, [3 + i, 4, 5], 3, [i], 0, SamplingOptions(temperature=0.0)) for i in range(40)]
     with torch.inference_mode():
