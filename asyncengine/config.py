@@ -58,6 +58,10 @@ class EngineConfig:
         "help": "rows a step verifies (one per decoding sequence plus drafts) beyond which drafts are cut: "
                 "each sequence gets min(num_speculative_tokens, (budget - sequences) // sequences); 0: no limit"})
     step_timeout: float = field(default=60.0, metadata={"help": "seconds a step may take before workers are dead"})
+    heartbeat_timeout: float = field(default=5.0, metadata={
+        "help": "seconds a worker may leave the engine's heartbeat pings unanswered (frozen, or its node gone) "
+                "before the engine is dead, busy or idle; ZeroMQ's I/O thread answers them, so a long step "
+                "does not count"})
     num_threads: int | None = field(default=None, metadata={"help": "torch threads per CPU worker"})
     nnodes: int = field(default=1, metadata={
         "help": "nodes running workers; above 1 the head listens on TCP with CURVE and each other node runs "
@@ -95,6 +99,8 @@ class EngineConfig:
             raise ConfigError("nnodes > 1 needs head_port and key_file")
         if self.head_port is not None and not 0 < self.head_port < 65535:
             raise ConfigError(f"head_port must be in [1, 65534] (results use head_port + 1), got {self.head_port}")
+        if not 0.1 <= self.heartbeat_timeout <= 3600:
+            raise ConfigError(f"heartbeat_timeout must be in [0.1, 3600] seconds, got {self.heartbeat_timeout}")
         if self.spec_token_budget < 0:
             raise ConfigError(f"spec_token_budget must be >= 0, got {self.spec_token_budget}")
         if self.num_speculative_tokens < 0:

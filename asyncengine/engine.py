@@ -8,6 +8,7 @@ With pipeline parallelism the loop keeps up to pp_size batches (of disjoint sequ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -16,9 +17,17 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
+import msgspec
+
 from asyncengine.block_manager import BlockManager
 from asyncengine.config import EngineConfig
-from asyncengine.errors import ConfigError, EngineDeadError, EngineShutdownError, InvalidRequestError
+from asyncengine.errors import (
+    AsyncEngineError,
+    ConfigError,
+    EngineDeadError,
+    EngineShutdownError,
+    InvalidRequestError,
+)
 from asyncengine.executor import Executor
 from asyncengine.models.loader import get_model_config, model_max_len
 from asyncengine.output_processor import OutputProcessor, RequestState
@@ -28,7 +37,7 @@ from asyncengine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from asyncengine.sequence import Sequence
 from asyncengine.spec_decode import NgramProposer
 from asyncengine.stats import EngineStats
-from asyncengine.tokenizer import eos_token_ids, load_tokenizer
+from asyncengine.tokenizer import eos_token_ids, load_tokenizer, max_token_chars
 from asyncengine.transport.wire import (
     CachedSeq,
     ExecuteModelRequest,
@@ -42,6 +51,16 @@ from asyncengine.transport.wire import (
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+INLINE_TOKENIZE_CHARS = 4096  # shorter prompts tokenize on the loop (well under a millisecond)
+# what a step's encoding raises on a value msgpack or int32 cannot hold (ints past 64 bits, ...)
+ENCODE_ERRORS = (OverflowError, TypeError, ValueError, msgspec.EncodeError)
+
+
+class TokenizedPrompt(NamedTuple):
+    """A text prompt already tokenized (off the event loop), with its text for the outputs."""
+
+    text: str
+    token_ids: list[int]
 
 
 class InFlight(NamedTuple):
@@ -65,6 +84,9 @@ class AsyncEngine:
             raise
         self.vocab_size = int(getattr(self.hf_config, "vocab_size", 0))
         self.eos_ids = eos_token_ids(config.model, self.tokenizer)
+        # no token is longer than this many characters, so a longer prompt cannot fit max_model_len:
+        # refused before any tokenizing, which costs seconds on megabytes
+        self.max_prompt_chars = self.max_model_len * max_token_chars(self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len)
         self.scheduler: Scheduler | None = None
         self.requests: dict[str, RequestState] = {}
@@ -136,18 +158,30 @@ class AsyncEngine:
         return self.dead is None and not self.closing and self._loop_task is not None
 
     # -- requests ---------------------------------------------------------------------------------
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: send prompt token ids")
-            try:
-                ids = self.tokenizer.encode(prompt)
-            except TypeError:  # the Rust tokenizer refuses what UTF-8 cannot hold: lone surrogates ("\ud800")
-                raise InvalidRequestError("the prompt is not valid Unicode (a lone surrogate?)") from None
-            text: str | None = prompt
+    def _check_prompt_chars(self, prompt: str) -> None:
+        if len(prompt) > self.max_prompt_chars:
+            raise InvalidRequestError(f"the prompt has {len(prompt)} characters, more than max_model_len "
+                                      f"({self.max_model_len}) tokens can hold")
+
+    def _encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: send prompt token ids")
+        self._check_prompt_chars(prompt)
+        try:
+            return self.tokenizer.encode(prompt)
+        except TypeError:  # the Rust tokenizer refuses what UTF-8 cannot hold: lone surrogates ("\ud800")
+            raise InvalidRequestError("the prompt is not valid Unicode (a lone surrogate?)") from None
+
+    def _tokenize(self, prompt: Prompt | TokenizedPrompt) -> tuple[str | None, list[int]]:
+        text: str | None
+        if isinstance(prompt, TokenizedPrompt):  # before the list check: a NamedTuple is a tuple
+            text, ids = prompt
+        elif isinstance(prompt, str):
+            text, ids = prompt, self._encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids, text = list(prompt), None
-            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
+            if len(ids) < self.max_model_len and any(
+                    not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         else:
             raise InvalidRequestError(f"the prompt must be a string or a list of token ids, not {type(prompt).__name__}")
@@ -155,20 +189,29 @@ class AsyncEngine:
             raise InvalidRequestError("the prompt is empty")
         return text, ids
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> RequestState:
-        """Validates and queues a request; raises InvalidRequestError (or a subclass) on bad input."""
-        if self.dead is not None:
-            raise EngineDeadError(str(self.dead))
-        if self.closing or self.scheduler is None:
-            raise EngineShutdownError("the engine is shutting down")
+    def _check_params(self, params: SamplingParams | None) -> SamplingParams:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
         params.validate()
-        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if self.vocab_size and any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {self.vocab_size})")
+        return params
+
+    def _check_open(self, request_id: str) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
+        if self.closing or self.scheduler is None:
+            raise EngineShutdownError("the engine is shutting down")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
+
+    def add_request(self, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> RequestState:
+        """Validates and queues a request; raises InvalidRequestError (or a subclass) on bad input."""
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        self._check_open(request_id)
+        params = self._check_params(params)
         text, ids = self._tokenize(prompt)
         room = self.max_model_len - len(ids)
         if room <= 0:
@@ -194,8 +237,24 @@ class AsyncEngine:
         """Streams RequestOutputs; leaving the loop early (or cancelling the task) aborts the request.
 
         The request is validated and queued at the call, so bad input raises here, before any output.
+        A prompt of over INLINE_TOKENIZE_CHARS characters is tokenized in a thread, so that it never
+        holds up other requests' tokens; its tokenizer errors then raise at the first iteration.
         """
+        if isinstance(prompt, str) and len(prompt) > INLINE_TOKENIZE_CHARS:
+            request_id = request_id if request_id is not None else uuid.uuid4().hex
+            self._check_open(request_id)
+            params = self._check_params(params)
+            self._check_prompt_chars(prompt)
+            return self._tokenize_then_stream(prompt, params, request_id)
         return self._stream(self.add_request(prompt, params, request_id))
+
+    async def _tokenize_then_stream(self, prompt: str, params: SamplingParams,
+                                    request_id: str) -> AsyncIterator[RequestOutput]:
+        ids = await asyncio.to_thread(self._encode, prompt)
+        stream = self._stream(self.add_request(TokenizedPrompt(prompt, ids), params, request_id))
+        async with contextlib.aclosing(stream):  # closing early aborts the request, as for _stream
+            async for out in stream:
+                yield out
 
     async def _stream(self, state: RequestState) -> AsyncIterator[RequestOutput]:
         try:
@@ -259,7 +318,7 @@ class AsyncEngine:
                     self._send(sched)
                 if not self._in_flight:
                     self._wake.clear()
-                    await self._wake.wait()
+                    await self.executor.wait_idle(self._wake)  # checks the workers' liveness meanwhile
                     continue
                 output = await self.executor.recv_output(self.config.step_timeout)
                 self._process(output)
@@ -296,11 +355,69 @@ class AsyncEngine:
             if samples and self.run_ahead:
                 seq.num_tokens_on_workers += 1  # the worker appends what it samples itself
         req = ExecuteModelRequest(step_id, new_seqs, cached, sched.dropped_seq_ids)
-        nbytes = self.executor.send(req)
+        try:
+            nbytes = self.executor.send(req)
+        except ENCODE_ERRORS:
+            # NOTE: the API boundary bounds every field, so this is the second line of defence: the
+            # requests whose part of the step cannot be encoded fail alone, the rest of the step goes out
+            logger.exception("step %d does not encode; failing the requests it cannot carry", step_id)
+            req, new_items, cached_items = self._without_unencodable(req, new_items, cached_items)
+            if not new_items and not cached_items:
+                assert self.scheduler is not None
+                self.scheduler.requeue_dropped(req.finished_seq_ids)  # they ride on the next step
+                return
+            nbytes = self.executor.send(req)
         self.stats.on_step_sent(sched, nbytes)
         # NOTE: workers see new sequences first, then cached ones; outputs come back in that order
         in_worker_order = sched._replace(scheduled=new_items + cached_items)
         self._in_flight.append(InFlight(step_id, in_worker_order, time.monotonic()))
+
+    def _without_unencodable(self, req: ExecuteModelRequest, new_items: list[ScheduledSeq],
+                             cached_items: list[ScheduledSeq]) -> tuple[ExecuteModelRequest, list, list]:
+        """The step without the sequences that do not encode, nor others of their requests; those
+        requests fail with InvalidRequestError."""
+        failed: set[str] = set()
+        for item, part in zip(new_items + cached_items, req.new_seqs + req.cached_seqs):
+            try:
+                msgspec.msgpack.encode(part)
+                if isinstance(part, NewSeq):
+                    unpack_ids(part.token_ids)
+            except ENCODE_ERRORS as e:
+                state = self.seq_owner.get(item.seq.seq_id)
+                if state is not None and not state.done:
+                    failed.add(state.request_id)
+                    self._fail_request(state, InvalidRequestError(f"the request cannot be sent to the workers: {e}"))
+
+        def keep(item: ScheduledSeq) -> bool:
+            state = self.seq_owner.get(item.seq.seq_id)
+            if state is not None and state.request_id not in failed:
+                return True
+            seq, num, samples = item  # never sent: undo what schedule() counted in flight, then free it
+            seq.num_inflight_steps -= 1
+            seq.num_inflight_tokens -= num
+            seq.num_pending_samples -= samples
+            seq.aborted = False
+            self._release(seq)
+            return False
+
+        new_kept = [i for i in new_items if keep(i)]
+        cached_kept = [i for i in cached_items if keep(i)]
+        kept_ids = {i.seq.seq_id for i in new_kept + cached_kept}
+        req = ExecuteModelRequest(req.step_id, [s for s in req.new_seqs if s.seq_id in kept_ids],
+                                  [s for s in req.cached_seqs if s.seq_id in kept_ids], req.finished_seq_ids)
+        return req, new_kept, cached_kept
+
+    def _fail_request(self, state: RequestState, error: AsyncEngineError) -> None:
+        """Ends one request with `error` (raised in its consumer); its sequences are freed."""
+        for seq in state.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+            self._release(seq)
+        state.done = True
+        self.requests.pop(state.request_id, None)
+        state.queue.put_nowait(error)
+        state.metrics.finished_time = time.monotonic()
+        self.stats.on_finished(state)
 
     def _options(self, seq: Sequence) -> SamplingOptions:
         p = seq.params

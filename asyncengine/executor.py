@@ -11,6 +11,12 @@ head_port, the results on head_port + 1, both CURVE-encrypted, and a ZAP allowli
 client key of the key file the head writes (0600) for the user to copy. Everything else a remote
 worker needs (config, torch.distributed rendezvous address) arrives in InitWorker over that channel.
 A worker whose connection drops (its XPUB subscription goes away) makes the engine dead at once.
+
+Liveness, busy or idle: a worker process that exits is seen by its exit code (local ranks), and one
+that freezes (SIGSTOP, a hung host) or whose node vanishes by the broadcast socket's heartbeat: its
+connection is dropped once it leaves `heartbeat_timeout` seconds of pings unanswered (the pings are
+answered by ZeroMQ's I/O thread, so a long step is not a freeze). The engine checks both every
+LIVENESS_POLL_S while it waits for a step's output and, through `wait_idle`, while it has none in flight.
 """
 
 from __future__ import annotations
@@ -52,7 +58,9 @@ from asyncengine.transport.wire import (
 
 logger = logging.getLogger(__name__)
 
-LIVENESS_POLL_S = 0.5
+# NOTE: the XPUB reports a dropped connection only after a handshake that moves one step per socket
+# poll, about two polls: a short period keeps detection near the heartbeat timeout
+LIVENESS_POLL_S = 0.25
 LOCAL_JOIN_TIMEOUT_S = 60.0
 REMOTE_JOIN_TIMEOUT_S = 600.0  # other nodes are started by hand, after copying the key file
 
@@ -84,7 +92,7 @@ class Executor:
             else:
                 self.endpoints = Endpoints.local()
                 self._ipc_dir = Path(self.endpoints.broadcast[len("ipc://"):]).parent
-            self.sender = BroadcastSender(self._sync_ctx, self.endpoints)
+            self.sender = BroadcastSender(self._sync_ctx, self.endpoints, config.heartbeat_timeout)
             self.receiver = ResultReceiver(self._async_ctx, self.endpoints)
         except (zmq.ZMQError, OSError) as e:  # a port in use, an unwritable key file
             for auth in self._auth:
@@ -208,6 +216,17 @@ class Executor:
             if isinstance(msg, ModelOutput):
                 return msg
 
+    async def wait_idle(self, wake: asyncio.Event) -> None:
+        """Waits for `wake` while no step is in flight, checking the workers' liveness meanwhile: a
+        worker that dies or freezes while the engine is idle makes it dead now, not at the next step."""
+        waiter = asyncio.ensure_future(wake.wait())
+        try:
+            while not waiter.done():
+                self._check_alive()
+                await asyncio.wait({waiter}, timeout=LIVENESS_POLL_S)
+        finally:
+            waiter.cancel()
+
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -215,8 +234,10 @@ class Executor:
             code = p.poll()
             if code is not None:
                 self._die(f"worker {rank} (pid {p.pid}) exited with code {code}")
-        if self.sender.poll_unsubscribed():  # the only sign of life we get from another node's workers
-            self._die("a worker's connection to the engine dropped (its process or node died)")
+        # the heartbeat, and the only sign of life we get from another node's workers
+        if self.sender.poll_unsubscribed():
+            self._die(f"a worker left the engine's heartbeat unanswered for {self.config.heartbeat_timeout:g}s "
+                      "or its connection dropped (its process froze or died, or its node did)")
 
     def _die(self, reason: str) -> None:
         self.dead_reason = reason

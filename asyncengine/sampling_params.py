@@ -12,6 +12,10 @@ from asyncengine.errors import InvalidRequestError
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 256
+# NOTE: every integer crosses to the workers as msgpack (ints beyond 64 bits cannot be encoded) and into
+# int32 tensors there, so counts and token ids are bounded to int32 at the boundary
+MAX_INT32 = 2**31 - 1
 
 
 class OutputKind(enum.IntEnum):
@@ -60,9 +64,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self) -> None:
+        """Raises SamplingParamsError naming the first field of the wrong type or out of range."""
+
         def check(ok: bool, message: str) -> None:
             if not ok:
                 raise SamplingParamsError(message)
+
+        def integer(name: str, value: object, lo: int, hi: int) -> None:
+            check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer")
+            check(lo <= value <= hi, f"{name} must be in [{lo}, {hi}], got {value}")  # type: ignore[operator]
 
         def finite(name: str) -> float:
             value = getattr(self, name)
@@ -70,33 +80,47 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
             check(math.isfinite(value), f"{name} must be finite, got {value}")
             return float(value)
 
-        check(1 <= self.n <= 64, f"n must be in [1, 64], got {self.n}")
+        integer("n", self.n, 1, 64)
         check(finite("temperature") >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         check(0.0 < finite("top_p") <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        check(self.top_k >= 0, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        integer("top_k", self.top_k, 0, MAX_INT32)  # -1 (off) became 0 in __post_init__
         check(0.0 <= finite("min_p") <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        check(self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)")
-        check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
-        check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.seed is not None:
+            integer("seed", self.seed, 0, 2**63 - 1)
+        if self.max_tokens is not None:
+            integer("max_tokens", self.max_tokens, 1, MAX_INT32)
+        integer("min_tokens", self.min_tokens, 0, MAX_INT32)
         check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
         )
+        check(isinstance(self.stop, list), "stop must be a string or a list of strings")
         check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
         for s in self.stop:
             check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN,
                   f"stop strings must be 1..{MAX_STOP_STRING_LEN} characters")
-        check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
-        check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        check(isinstance(self.stop_token_ids, list), "stop_token_ids must be a list of integers")
+        check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+        for t in self.stop_token_ids:
+            integer("stop_token_ids[]", t, 0, MAX_INT32)
+        if self.logprobs is not None:
+            integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         check(-2.0 <= finite("presence_penalty") <= 2.0, "presence_penalty must be in [-2, 2]")
         check(-2.0 <= finite("frequency_penalty") <= 2.0, "frequency_penalty must be in [-2, 2]")
         check(0.0 < finite("repetition_penalty") <= 10.0, "repetition_penalty must be in (0, 10]")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            check(isinstance(getattr(self, name), bool), f"{name} must be true or false")
+        check(isinstance(self.output_kind, OutputKind), "output_kind must be an OutputKind")
 
     @classmethod
     def from_dict(cls, fields: dict) -> SamplingParams:
-        """Builds params from untrusted JSON-like data: wrong types and unknown fields are typed errors."""
+        """Builds params from untrusted JSON-like data: wrong types and unknown fields are typed errors.
+
+        Strict, as OpenAI is: "4" is no integer, 2.0 no count and true no number (ints pass as floats).
+        """
+        if isinstance(fields.get("stop"), str):  # OpenAI lets `stop` be one string
+            fields = {**fields, "stop": [fields["stop"]]}
         try:
-            return msgspec.convert(fields, cls, strict=False)
+            return msgspec.convert(fields, cls, strict=True)
         except msgspec.ValidationError as e:
             raise SamplingParamsError(f"invalid sampling params: {e}") from None

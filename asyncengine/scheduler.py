@@ -80,6 +80,10 @@ class Scheduler:
         self.block_manager.free_seq(seq)
         self._forget_on_workers(seq)
 
+    def requeue_dropped(self, seq_ids: list[int]) -> None:
+        """Drops taken by a step that was not sent after all: they ride on the next one."""
+        self._dropped[:0] = seq_ids
+
     def schedule(self) -> SchedulerOutput:
         budget = -(-self.max_num_batched_tokens // self.num_batches)  # see the module docstring
         scheduled: list[ScheduledSeq] = []

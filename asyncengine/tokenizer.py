@@ -36,3 +36,16 @@ def eos_token_ids(model_dir: str, tokenizer: Any | None) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
+
+
+def max_token_chars(tokenizer: Any | None) -> int:
+    """An upper bound on the characters of text that one token covers.
+
+    A vocabulary string has at least as many characters as the text it decodes to (byte-level BPE spells
+    each byte with one character; SentencePiece spells a space with one "▁", a byte as "<0x0A>"); the
+    factor 2 leaves room for normalizers that drop characters. 1 without a tokenizer (no text prompts).
+    """
+    if tokenizer is None:
+        return 1
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return 2 * max(longest, 8)

@@ -8,13 +8,28 @@ lost to PUB/SUB's "slow joiner" race, and (XPUB_VERBOSER) when one goes away: a 
 connection drops, on this host or another, is dead to the engine at once. Every receive is bounded
 in size (MAXMSGSIZE) and in time.
 
+Liveness: the broadcast socket sends ZeroMQ (ZMTP) heartbeat pings on every transport and drops a
+connection whose peer leaves them unanswered for the heartbeat timeout, which the engine then sees
+as an unsubscription. The worker's ZeroMQ I/O thread answers the pings, without the GIL, so a worker
+busy in a long step stays alive, while a frozen one (SIGSTOP stops all its threads) or a vanished
+node does not.
+
 Several nodes: the head binds TCP (broadcast on PORT, results on PORT + 1) with CURVE, and ZeroMQ
-heartbeats turn a peer that vanished without closing its connection into a disconnect.
+heartbeats also let a worker notice a head that vanished without closing its connection.
+
+Local runs: the sockets live in a private directory under the temp dir named after the engine's pid,
+asyncengine-PID-XXXXXXXX; a new engine removes those whose process is gone (a SIGKILLed server cannot
+remove its own).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import shutil
+import socket
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,9 +42,15 @@ import zmq.utils.monitor
 from asyncengine.transport.codec import Codec, engine_codec, worker_codec
 from asyncengine.transport.wire import EngineMessage, WorkerMessage
 
+logger = logging.getLogger(__name__)
+
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-HEARTBEAT_IVL_MS = 1000  # TCP only: ping the peer every second ...
+HEARTBEAT_IVL_MS = 1000  # a worker over TCP: ping the head every second ...
 HEARTBEAT_TIMEOUT_MS = 10_000  # ... and drop the connection when it has been silent this long
+DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0  # the engine's side: EngineConfig.heartbeat_timeout
+IPC_DIR_PREFIX = "asyncengine-"
+# asyncengine-PID-XXXXXXXX; mkdtemp's random part never holds a "-", so older names never match
+_IPC_DIR_NAME = re.compile(rf"{IPC_DIR_PREFIX}(\d+)-[^-]+")
 _AUTH_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                 zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -58,10 +79,13 @@ class Endpoints:
 
     @classmethod
     def local(cls, ipc_dir: str | None = None) -> Endpoints:
-        """ipc:// sockets in a private (0700) directory; mkdtemp creates it with that mode."""
-        directory = ipc_dir or tempfile.mkdtemp(prefix="asyncengine-")
-        os.chmod(directory, 0o700)
-        return cls(broadcast=f"ipc://{Path(directory) / 'broadcast'}", results=f"ipc://{Path(directory) / 'results'}")
+        """ipc:// sockets in a private (0700) directory; mkdtemp creates it with that mode. A fresh
+        directory is named after this process (its owner), once those of dead engines are removed."""
+        if ipc_dir is None:
+            remove_stale_ipc_dirs()
+            ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
+        os.chmod(ipc_dir, 0o700)
+        return cls(broadcast=f"ipc://{Path(ipc_dir) / 'broadcast'}", results=f"ipc://{Path(ipc_dir) / 'results'}")
 
     @classmethod
     def tcp(cls, host: str, port: int, curve: CurveKeys | None) -> Endpoints:
@@ -74,11 +98,71 @@ class Endpoints:
         return self.broadcast.startswith("tcp://")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process; no pid we wrote: leave it alone
+        pass
+    return True
+
+
+def _listening(path: Path) -> bool:
+    """Whether a process accepts connections on the unix socket at `path` (a live engine's XPUB)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+        except OSError:  # a timeout, a path too long: not provably dead
+            pass
+    return True
+
+
+def remove_stale_ipc_dirs(tmp_dir: str | None = None) -> list[Path]:
+    """Removes this user's asyncengine-PID-* directories whose process is gone and whose broadcast
+    socket has no listener (a SIGKILLed server leaves its directory behind); returns them. Names
+    without a pid (older versions) are left alone: they may belong to a live engine."""
+    removed = []
+    uid = os.getuid()
+    for path in Path(tmp_dir or tempfile.gettempdir()).glob(f"{IPC_DIR_PREFIX}*"):
+        match = _IPC_DIR_NAME.fullmatch(path.name)
+        try:
+            if match is None or not stat.S_ISDIR((st := path.lstat()).st_mode) or st.st_uid != uid:
+                continue
+        except OSError:
+            continue
+        pid = int(match.group(1))
+        # NOTE: a reused pid keeps a dead engine's directory (a leak, never a live engine's loss); the
+        # socket probe guards an engine in another pid namespace (a container sharing /tmp)
+        if _pid_alive(pid) or _listening(path / "broadcast"):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+            logger.info("removed %s, left behind by engine pid %d", path, pid)
+    return removed
+
+
 def _heartbeat(sock: zmq.Socket, endpoint: str) -> None:
     if endpoint.startswith("tcp://"):
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
+def _liveness_pings(sock: zmq.Socket, endpoint: str, timeout_s: float) -> None:
+    """The engine's heartbeat, on any transport: a ping every tenth of the timeout, and a connection
+    whose peer answers none of them for `timeout_s` is dropped (the XPUB then reports it)."""
+    timeout_ms = max(100, int(timeout_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, timeout_ms // 10))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+    if endpoint.startswith("tcp://"):
+        # tells a remote worker to drop a head it hears nothing from (local workers watch a death pipe,
+        # and keep their connection through an engine paused by a debugger)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, min(timeout_ms, 6_553_500))
 
 
 def _secure_server(sock: zmq.Socket, curve: CurveKeys | None) -> None:
@@ -96,16 +180,18 @@ def _secure_client(sock: zmq.Socket, curve: CurveKeys | None) -> None:
 
 
 class BroadcastSender:
-    """The engine's side of the step broadcast: one send reaches every worker."""
+    """The engine's side of the step broadcast: one send reaches every worker. A worker that leaves
+    its heartbeat pings unanswered for `heartbeat_timeout_s` counts as unsubscribed."""
 
-    def __init__(self, ctx: zmq.Context, endpoints: Endpoints) -> None:
+    def __init__(self, ctx: zmq.Context, endpoints: Endpoints,
+                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
         self._codec: Codec[EngineMessage] = engine_codec()
         self._sock = ctx.socket(zmq.XPUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop a step because a worker is behind
         self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscription, duplicates included
         self._sock.setsockopt(zmq.XPUB_VERBOSER, 1)  # ... and every unsubscription: a dropped connection
-        _heartbeat(self._sock, endpoints.broadcast)
+        _liveness_pings(self._sock, endpoints.broadcast, heartbeat_timeout_s)
         _secure_server(self._sock, endpoints.curve)
         self._sock.bind(endpoints.broadcast)
         self.subscribers = 0

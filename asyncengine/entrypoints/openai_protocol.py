@@ -1,7 +1,8 @@
 """Pydantic models of OpenAI's /v1/completions and /v1/chat/completions, plus vLLM's sampling extras.
 
 Unknown fields are ignored (as vLLM does); features we do not implement are rejected with a 400
-instead of being silently dropped.
+instead of being silently dropped. Types are strict, as OpenAI's are: `"4"`, `true` and `2.0` are no
+integers (an integer passes as a float); ranges are SamplingParams' own checks, which name the field.
 """
 
 from __future__ import annotations
@@ -17,14 +18,18 @@ from asyncengine.sampling_params import OutputKind, SamplingParams, SamplingPara
 MAX_PROMPTS = 256  # prompts in one batched /v1/completions request
 
 
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """The sampling fields both endpoints share (OpenAI's, then vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     n: int = 1
@@ -113,13 +118,13 @@ class CompletionRequest(SamplingFields):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None

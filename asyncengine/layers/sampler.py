@@ -123,10 +123,10 @@ class Sampler:
             rank = int((row_lp > sampled_lp).sum().item()) + 1
             ids, lps, ranks = [token], [float(sampled_lp)], [rank]
             if k:
-                top = row_lp.topk(k)
+                top = row_lp.topk(min(k, row_lp.numel()))  # a vocabulary smaller than k must not crash
                 ids += top.indices.tolist()
                 lps += top.values.tolist()
-                ranks += list(range(1, k + 1))
+                ranks += list(range(1, len(ids)))
             out.append(TokenLogprobs(ids, lps, ranks))
         return out
 

@@ -3,6 +3,10 @@
 The engine starts workers by this entry point, so no engine object is pickled into them. A worker
 exits on its own when its parent goes away: the engine holds the write end of a pipe whose read end
 the worker watches (`--parent-fd`), and EOF means the parent is dead, however it died.
+
+The other way round, the engine's heartbeat pings on the broadcast connection are answered by this
+process's ZeroMQ I/O thread, not by the serve loop: a long step never goes unanswered, a frozen
+process (all its threads stopped) does, and the engine declares it dead (transport/channels.py).
 """
 
 from __future__ import annotations

@@ -179,3 +179,69 @@ async def test_duplicate_request_id_and_bad_params(engine) -> None:
                 dict(temperature=float("nan")), dict(logprobs=100), dict(n=0)):
         with pytest.raises(SamplingParamsError):
             SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("bad", [dict(top_k=2**70), dict(min_tokens=2**64, max_tokens=None),
+                                 dict(stop_token_ids=[2**70], min_tokens=1), dict(seed=2**63),
+                                 dict(max_tokens=2**64), dict(n=2.0), dict(top_k=True), dict(stop_token_ids=[1] * 300)])
+async def test_out_of_range_integers_are_refused_at_the_boundary(engine, bad) -> None:
+    # ints past 64 bits used to pass validation and kill the engine when the step was encoded
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(**bad)
+    with pytest.raises(SamplingParamsError):
+        SamplingParams.from_dict(bad)
+    assert engine.is_running
+
+
+async def test_strict_types_from_untrusted_dicts() -> None:
+    for bad in ({"max_tokens": "4"}, {"n": 2.0}, {"temperature": True}, {"ignore_eos": 1}, {"stop": [1]}):
+        with pytest.raises(SamplingParamsError):
+            SamplingParams.from_dict(bad)
+    ok = SamplingParams.from_dict({"temperature": 1, "stop": "x", "top_k": -1})
+    assert ok.temperature == 1.0 and ok.stop == ["x"] and ok.top_k == 0
+
+
+async def test_stop_token_ids_beyond_the_vocabulary_are_refused(engine) -> None:
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        await collect(engine, "Hello", SamplingParams(stop_token_ids=[engine.vocab_size], min_tokens=1))
+
+
+async def test_a_step_that_does_not_encode_fails_only_its_request(engine) -> None:
+    # the second line of defence behind validation: a value that slips past it (here set after
+    # validation) fails its own request when the step is encoded; the engine and the rest of the batch go on
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reference = (await collect(engine, "def f(x):", params))[-1].outputs[0].token_ids
+    good = asyncio.create_task(collect(engine, "def f(x):", params))
+    bad_params = SamplingParams(max_tokens=12)
+    bad = engine.generate("Hello", bad_params, "unencodable")
+    bad_params.top_k = 2**70  # after validation, before the loop builds the step
+    with pytest.raises(InvalidRequestError, match="cannot be sent"):
+        await collect_gen(bad)
+    assert (await good)[-1].outputs[0].token_ids == reference
+    assert engine.is_running and "unencodable" not in engine.requests
+    for _ in range(100):
+        if not engine._in_flight:
+            break
+        await asyncio.sleep(0.05)
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert (await collect(engine, "def f(x):", params))[-1].outputs[0].token_ids == reference
+
+
+async def collect_gen(gen):
+    return [o async for o in gen]
+
+
+async def test_a_long_prompt_is_tokenized_off_the_loop(engine) -> None:
+    # a prompt too long by characters is refused before any tokenizing; a long one that may fit is
+    # tokenized in a thread, and the loop keeps serving meanwhile
+    with pytest.raises(InvalidRequestError, match="characters"):
+        engine.generate("x" * (engine.max_prompt_chars + 1), SamplingParams())
+    text = "word " * 2000  # 10k chars: tokenized in a thread (over INLINE_TOKENIZE_CHARS)
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        await collect(engine, text, SamplingParams(max_tokens=4))
+    piece = max((engine.tokenizer.decode([t]) for t in range(engine.vocab_size)), key=len)
+    short = piece * (4200 // len(piece) + 1)  # over 4k chars that fit 512 tokens
+    assert len(engine.tokenizer.encode(short)) < 500
+    outs = await collect(engine, short, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert outs[-1].prompt == short and outs[-1].prompt_token_ids == engine.tokenizer.encode(short)

@@ -36,6 +36,7 @@ class FakeEngine:
         self.closing = False
         self.is_running = True
         self.max_model_len = 128
+        self.max_prompt_chars = 100_000
         self.stats = SimpleNamespace(registry=CollectorRegistry())
         self.live: set[str] = set()
         self.aborted: set[str] = set()
@@ -110,6 +111,16 @@ def test_auth() -> None:
     ("{not json", "JSON"),
     ('{"prompt": "bad"}', "bad prompt"),
     ('{"prompt": "x", "model": "other"}', "does not exist"),
+    # strict types, as OpenAI's, and ranges that name the field (ints past 64 bits killed the engine)
+    ('{"prompt": "x", "max_tokens": "4"}', "max_tokens"),
+    ('{"prompt": "x", "max_tokens": true}', "max_tokens"),
+    ('{"prompt": "x", "n": 2.0}', "n"),
+    ('{"prompt": "x", "top_k": 1180591620717411303424}', "top_k"),
+    ('{"prompt": "x", "min_tokens": 18446744073709551616, "max_tokens": null}', "min_tokens"),
+    ('{"prompt": "x", "stop_token_ids": [18446744073709551616], "min_tokens": 1}', "stop_token_ids"),
+    ('{"prompt": "x", "seed": 9223372036854775808}', "seed"),
+    ('{"prompt": "x", "logprobs": 1e400}', "logprobs"),
+    ('{"prompt": "x", "temperature": 1e400}', "temperature"),
 ])
 def test_bad_requests_get_openai_errors(body: str, words: str) -> None:
     r = client(FakeEngine()).post("/v1/completions", content=body, headers={"Content-Type": "application/json"})

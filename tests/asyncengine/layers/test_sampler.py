@@ -42,3 +42,12 @@ def test_penalised_greedy_rows_take_the_slow_path() -> None:
     logits[0, 2], logits[0, 5] = 1.0, 0.5  # token 2 is in the row's ids [1, 2, 3], token 5 is not
     row = SamplingRow(SamplingOptions(temperature=0.0, repetition_penalty=100.0), None, [1, 2, 3], {2: 1}, 1)
     assert Sampler(0, torch.device("cpu"))(logits, [row]).token_ids == [5]  # 1.0 / 100 < 0.5
+
+
+def test_more_logprobs_than_the_vocabulary_holds() -> None:
+    # logprobs=20 is valid for any request; on a model with fewer tokens it must not crash the worker
+    sampler = Sampler(0, torch.device("cpu"))
+    row = SamplingRow(SamplingOptions(temperature=0.0, logprobs=20, top_k=2**31 - 1), None, [1], {}, 0)
+    out = sampler(torch.randn(1, 8), [row])
+    lp = out.logprobs[0]
+    assert len(lp.token_ids) == 1 + 8 and lp.ranks[1:] == list(range(1, 9))
