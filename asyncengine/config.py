@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,20 @@ KV_CACHE_DTYPES = ("auto", "fp8_e5m2")
 def default_model_path() -> str:
     """The bundled default model (see tools/train_default_model.py)."""
     return str(Path(__file__).parent / "assets" / "default-model")
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # Hugging Face Hub repo ids: "Qwen/Qwen2-0.5B"
+
+
+def model_not_found(model: str) -> str:
+    """The error for a --model that is not a directory; for what looks like a Hub id, how to get it."""
+    message = f"model directory not found: {model}"
+    if HUB_ID.fullmatch(model) and not Path(model).exists():
+        local = "./" + model.rsplit("/", 1)[1]
+        message += (f". Only local model directories are served, not Hugging Face Hub ids: download it first, "
+                    f"e.g. `huggingface-cli download {model} --local-dir {local}` (or `hf download {model} "
+                    f"--local-dir {local}`), then pass --model {local}")
+    return message
 
 
 @dataclass(frozen=True)
@@ -111,7 +126,7 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if not Path(self.model).is_dir():
-            raise ConfigError(f"model directory not found: {self.model}")
+            raise ConfigError(model_not_found(self.model))
 
     @property
     def world_size(self) -> int:

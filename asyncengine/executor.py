@@ -36,6 +36,8 @@ import zmq.asyncio
 
 from asyncengine.config import EngineConfig
 from asyncengine.errors import ConfigError, EngineDeadError, ModelLoadError
+from asyncengine.model_config import is_self_contained, read_model_config
+from asyncengine.startup_trace import mark
 from asyncengine.transport.channels import (
     BroadcastSender,
     ChannelTimeout,
@@ -43,7 +45,7 @@ from asyncengine.transport.channels import (
     ResultReceiver,
 )
 from asyncengine.transport.curve import ClientAllowlist, generate_keys, write_key_file
-from asyncengine.transport.process_group import env_init_method, free_port, worker_env
+from asyncengine.transport.topology import env_init_method, free_port, worker_env
 from asyncengine.transport.wire import (
     CacheReady,
     EngineMessage,
@@ -71,6 +73,14 @@ STARTUP_ERRORS: dict[str, type[Exception]] = {
     "KVCacheTooSmallError": ConfigError,
     "DeviceError": ConfigError,
 }
+
+
+def _config_needs_transformers(model_dir: str) -> bool:
+    """Whether workers will read this model's config through transformers (models/loader.get_model_config)."""
+    try:
+        return not is_self_contained(read_model_config(model_dir))
+    except ModelLoadError:
+        return False  # the workers report it
 
 
 class Executor:
@@ -114,16 +124,19 @@ class Executor:
         load weights while the engine process loads the tokenizer."""
         if self.procs:
             return
+        mark("engine", "spawn")
         read_fd, write_fd = os.pipe()
         os.set_inheritable(read_fd, True)
         self._death_pipe_w = write_fd  # not inheritable: only this process holds it
-        keys = ["--curve-keys", str(self.config.key_file)] if self.endpoints.curve is not None else []
+        extra = ["--curve-keys", str(self.config.key_file)] if self.endpoints.curve is not None else []
+        if _config_needs_transformers(self.config.model):
+            extra.append("--preimport-transformers")
         for rank in range(self.config.nproc_per_node):  # node 0's ranks; other nodes start their own
             env = worker_env(os.environ, RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=self.world_size)
             env.setdefault("PYTHONUNBUFFERED", "1")
             cmd = [sys.executable, "-m", "asyncengine.worker.main", "--rank", str(rank), "--local-rank", str(rank),
                    "--broadcast", self.endpoints.broadcast, "--results", self.endpoints.results,
-                   "--parent-fd", str(read_fd), *keys]
+                   "--parent-fd", str(read_fd), *extra]
             self.procs.append(subprocess.Popen(cmd, pass_fds=(read_fd,), env=env, stdin=subprocess.DEVNULL))
         os.close(read_fd)
 
@@ -139,15 +152,19 @@ class Executor:
 
     async def _start(self, load_timeout_s: float) -> None:
         self.spawn()
+        mark("engine", "init-done")  # the engine's configs and tokenizer are read
         await self._wait_for_workers()
+        mark("engine", "workers-connected")
         init_method = env_init_method() or f"tcp://{_host(self.config.head_host)}:{free_port(self.config.head_host)}"
         config_json = msgspec.json.encode(self.config)
         self.sender.send(InitWorker(config_json, init_method, self.world_size))
         ready = await self._gather(WorkerReady, load_timeout_s)
+        mark("engine", "workers-ready")
         self.num_kv_blocks = min(r.num_kv_blocks for r in ready)
         self.vocab_size = ready[0].vocab_size
         self.sender.send(InitCache(self.num_kv_blocks))
         await self._gather(CacheReady, load_timeout_s)
+        mark("engine", "cache-ready")
 
     async def _wait_for_workers(self) -> None:
         """Waits for every rank's subscription, checking the local workers' liveness meanwhile."""

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncengine.detokenizer import IncrementalDetokenizer, find_stop
 from asyncengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 from asyncengine.sequence import Sequence
 from asyncengine.transport.wire import TokenLogprobs
+
+if TYPE_CHECKING:
+    from asyncengine.stats import EngineStats
 
 
 @dataclass
@@ -31,17 +35,64 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None, eos_ids: set[int], max_model_len: int) -> None:
+    """The live requests' states: sampled tokens in (stops, text, logprobs), RequestOutputs out to each
+    request's queue, which its consumer (AsyncEngine.generate) reads."""
+
+    def __init__(self, tokenizer: Any | None, eos_ids: set[int], max_model_len: int, stats: EngineStats) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
+        self.stats = stats
+        self.requests: dict[str, RequestState] = {}
 
-    def attach(self, state: RequestState) -> None:
+    def add_request(self, state: RequestState) -> None:
+        self.requests[state.request_id] = state
+        self.stats.on_arrival(len(state.prompt_token_ids))
         if self.tokenizer is None:
             return
         for seq in state.seqs:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids,
                                                      state.params.skip_special_tokens)
+
+    def append_sampled(self, state: RequestState, seq: Sequence, token_ids: list[int],
+                       logprobs: TokenLogprobs | None, now: float) -> None:
+        """Appends a step's kept tokens (the sampled one, or accepted drafts and the model's pick after
+        them) up to the first that finishes the sequence; the logprobs are the first token's."""
+        for i, token in enumerate(token_ids):
+            self.append_token(seq, token, logprobs if i == 0 else None)
+            self.stats.on_new_token(state, now)
+            if seq.finish_reason is not None:  # a stop inside the accepted drafts ends it there
+                break
+        state.metrics.last_token_time = now
+
+    def publish(self, states: Iterable[RequestState]) -> None:
+        """Streams each request's new output after a step (its final one if it finished)."""
+        for state in states:
+            if state.all_finished:
+                self.finish(state)
+            elif (out := self.make_output(state)) is not None:
+                state.queue.put_nowait(out)
+
+    def finish(self, state: RequestState, error: BaseException | None = None) -> None:
+        """Ends a request: its consumer gets the final output, or `error` raised."""
+        if state.done:
+            return
+        state.done = True
+        self.requests.pop(state.request_id, None)
+        if error is not None:
+            state.queue.put_nowait(error)
+        elif (out := self.make_output(state)) is not None:
+            out.finished = True
+            state.queue.put_nowait(out)
+        state.metrics.finished_time = time.monotonic()
+        self.stats.on_finished(state)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Every live request's consumer gets `error` raised (the engine is dead)."""
+        for state in self.requests.values():
+            state.done = True
+            state.queue.put_nowait(error)
+        self.requests.clear()
 
     def append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
         """Appends a sampled token and sets finish_reason when a stop condition holds."""

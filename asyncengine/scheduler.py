@@ -15,11 +15,15 @@ each of them, and `on_step_done` counts only the drafts the model agreed with as
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from asyncengine.block_manager import BlockManager
+from asyncengine.errors import ConfigError
 from asyncengine.sequence import Sequence, SequenceStatus
 from asyncengine.spec_decode import NgramProposer
+
+if TYPE_CHECKING:
+    from asyncengine.config import EngineConfig
 
 
 class ScheduledSeq(NamedTuple):
@@ -79,6 +83,31 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free_seq(seq)
         self._forget_on_workers(seq)
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, num_blocks: int, max_model_len: int) -> Scheduler:
+        """The engine's scheduler over the KV blocks the workers reported; ConfigError when one
+        sequence of max_model_len would not fit them."""
+        needed = -(-max_model_len // config.block_size)
+        if num_blocks < needed:
+            raise ConfigError(f"KV cache holds {num_blocks} blocks of {config.block_size} tokens, but one sequence "
+                              f"of max_model_len={max_model_len} needs {needed}: raise the KV memory or "
+                              "lower max_model_len")
+        proposer = None
+        if config.num_speculative_tokens:
+            proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        return cls(BlockManager(num_blocks, config.block_size, config.enable_prefix_caching), config.max_num_seqs,
+                   config.max_num_batched_tokens, max_model_len, num_batches=config.pipeline_parallel_size,
+                   run_ahead=config.run_ahead, proposer=proposer, spec_token_budget=config.spec_token_budget)
+
+    def unschedule(self, item: ScheduledSeq) -> None:
+        """Undoes what schedule() counted in flight for a scheduled sequence that was never sent."""
+        seq, num, samples = item
+        seq.num_inflight_steps -= 1
+        seq.num_inflight_tokens -= num
+        seq.num_pending_samples -= samples
 
     def requeue_dropped(self, seq_ids: list[int]) -> None:
         """Drops taken by a step that was not sent after all: they ride on the next one."""
@@ -204,12 +233,9 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _forget_on_workers(self, seq: Sequence) -> None:
-        if seq.on_workers:
+        if seq.workers is not None:
             self._dropped.append(seq.seq_id)
-            seq.on_workers = False
-            seq.num_tokens_on_workers = 0
-            seq.num_blocks_on_workers = 0
-            seq.num_rejected_on_workers = 0
+            seq.workers = None
 
     def on_step_done(self, seq: Sequence, num_tokens: int, samples: bool, num_rejected: int = 0) -> None:
         """The KV of `num_tokens` more tokens of seq is now in the cache, of which the last `num_rejected`

@@ -9,7 +9,7 @@ from asyncengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from asyncengine.detokenizer import IncrementalDetokenizer
-    from asyncengine.spec_decode import NgramIndex
+    from asyncengine.step_encoder import WorkerCopy
 
 
 class SequenceStatus(enum.IntEnum):
@@ -37,14 +37,8 @@ class Sequence:
         self.num_inflight_steps = 0  # scheduled in batches whose output has not come back
         self.num_inflight_tokens = 0  # tokens those batches compute
         self.num_pending_samples = 0  # tokens those batches will sample (async scheduling: at most 1)
-        self.on_workers = False  # the workers hold its state, so steps carry only diffs
-        self.num_tokens_on_workers = 0
-        self.num_blocks_on_workers = 0
-        # speculative decoding: the drafts its step in flight verifies; drafts the workers still hold
-        # that the model rejected (dropped with its next step); its n-gram index (spec_decode.py)
-        self.draft_token_ids: list[int] = []
-        self.num_rejected_on_workers = 0
-        self.ngram_index: NgramIndex | None = None
+        self.workers: WorkerCopy | None = None  # what the workers hold of it, so steps carry only diffs
+        self.draft_token_ids: list[int] = []  # speculative decoding: the drafts its step in flight verifies
         self.aborted = False
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -53,6 +47,10 @@ class Sequence:
         self.detokenizer: IncrementalDetokenizer | None = None
         self.num_streamed_tokens = 0  # for DELTA outputs
         self.num_streamed_chars = 0
+
+    @property
+    def on_workers(self) -> bool:
+        return self.workers is not None
 
     @property
     def num_tokens(self) -> int:

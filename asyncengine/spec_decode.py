@@ -16,7 +16,20 @@ get them (their verification is an exact comparison).
 
 from __future__ import annotations
 
-from asyncengine.sequence import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for hints: a sequence never needs this module
+    from asyncengine.sequence import Sequence
+
+
+def accept_drafts(drafts: list[int], sampled: list[int]) -> int:
+    """How many drafts the model agreed with. A step samples one token after each draft (len(drafts) + 1
+    in all); the engine keeps the drafts up to the first that is not the model's own pick there, and
+    then the model's pick: every kept token is the model's choice given the tokens before it."""
+    accepted = 0
+    while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+        accepted += 1
+    return accepted
 
 
 class NgramIndex:
@@ -49,6 +62,10 @@ class NgramProposer:
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.k = num_speculative_tokens
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
+        self.indexes: dict[int, NgramIndex] = {}  # seq_id -> its n-gram index, until the sequence finishes
+
+    def forget(self, seq_id: int) -> None:
+        self.indexes.pop(seq_id, None)
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -63,6 +80,7 @@ class NgramProposer:
         k = min(self.k, limit)
         if k <= 0:
             return []
-        if seq.ngram_index is None:
-            seq.ngram_index = NgramIndex(self.n_min, self.n_max)
-        return seq.ngram_index.lookup(seq.token_ids, k)
+        index = self.indexes.get(seq.seq_id)
+        if index is None:
+            index = self.indexes[seq.seq_id] = NgramIndex(self.n_min, self.n_max)
+        return index.lookup(seq.token_ids, k)

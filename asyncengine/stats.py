@@ -1,14 +1,18 @@
 """Engine metrics with prometheus_client, under vLLM's names with an `asyncengine:` prefix.
 
-Each engine owns its registry, so several engines in one process (tests, benchmarks) never clash.
+Each engine owns its registry, so several engines in one process (tests, benchmarks) never clash. The
+registry's samples carry no model label (in-process readers ask for them by name alone); /metrics
+exposes them through `exposition`, which labels each with the served `model_name`, as vLLM's are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 if TYPE_CHECKING:
     from asyncengine.output_processor import RequestState
@@ -16,6 +20,38 @@ if TYPE_CHECKING:
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
+
+
+class _Labelled:
+    """A collector: `registry`'s metrics with constant labels added to every sample."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.registry = registry
+        self.labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**self.labels, **s.labels}) for s in family.samples]
+            yield out
+
+
+def exposition(registry: CollectorRegistry, model_name: str) -> bytes:
+    """Prometheus' text format of `registry`, every sample labelled `model_name="..."` (vLLM's label)."""
+    view = CollectorRegistry(auto_describe=False)
+    view.register(_Labelled(registry, {"model_name": model_name}))
+    return generate_latest(view)
+
+
+class StatsSnapshot(NamedTuple):
+    """The engine's counters and gauges at one moment (EngineStats.snapshot), for periodic log lines."""
+
+    time: float  # time.monotonic()
+    prompt_tokens: float  # totals since start
+    generation_tokens: float
+    running: int  # sequences now
+    waiting: int
+    kv_usage: float  # 0-1
 
 
 class EngineStats:
@@ -47,6 +83,14 @@ class EngineStats:
         self.last_token_time: dict[int, float] = {}
         self.step_latencies: list[float] = []  # engine-observed step round trips (bounded)
 
+    def snapshot(self) -> StatsSnapshot:
+        """The totals and gauges now (the gauges' functions read the scheduler)."""
+        def value(metric: Counter | Gauge) -> float:
+            return metric.collect()[0].samples[0].value  # a counter's first sample is its _total
+
+        return StatsSnapshot(time.monotonic(), value(self.prompt_tokens), value(self.generation_tokens),
+                             int(value(self.running)), int(value(self.waiting)), value(self.kv_usage))
+
     def bind_scheduler(self, running: Callable[[], float], waiting: Callable[[], float],
                        usage: Callable[[], float], free: Callable[[], float]) -> None:
         self.running.set_function(running)
@@ -56,6 +100,14 @@ class EngineStats:
 
     def on_arrival(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_new_token(self, state: RequestState, now: float) -> None:
+        """A generated token (the first sets the request's first-token time)."""
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+            self.on_first_token(state, now)
+        else:
+            self.on_token(state, now)
 
     def on_first_token(self, state: RequestState, now: float) -> None:
         self.ttft.observe(now - state.metrics.arrival_time)

@@ -9,12 +9,12 @@ Rows (shapes of a decode step of the "medium" bench model: hidden 768, 12 heads 
 * paged attention, one layer: the C kernel (AVX-512 build where the CPU has it, and the portable
   build) vs the PyTorch reference (gather + SDPA). Also GB/s of K/V read. Each timed call reads a
   different layer's cache (12 of them), so the K/V come from memory as in a real step, not from L3.
-* linear layers: packed weights (layers/cpu_gemm.py: AMX tiles for bfloat16 where the CPU has AMX, else
+* linear layers: packed weights (cpu/gemm.py: AMX tiles for bfloat16 where the CPU has AMX, else
   oneDNN) vs F.linear, per projection, at M = 64.
 * bfloat16 GEMM pass: all 12 layers' projections and the LM head (219 MB of distinct weights, so they
-  come from memory as in a step) at M = 1 ... 2048, the AMX kernel (layers/cpu_amx.py) vs oneDNN-packed
+  come from memory as in a step) at M = 1 ... 2048, the AMX kernel (cpu/amx.py) vs oneDNN-packed
   weights; "speed" is oneDNN's time over the AMX kernel's. Needs an AMX CPU.
-* element-wise: the fused C ops (layers/cpu_ops.py) vs the torch code they replace; the KV-cache write
+* element-wise: the fused C ops (cpu/ops.py) vs the torch code they replace; the KV-cache write
   (cpu_ops.write_kv vs index_copy_) and the sampler's greedy pick (cpu_ops.argmax_rows on the logits as they are vs argmax).
 * memory: torch.sum over 1 GiB, the streaming-read rate the attention rows' GB/s compare to.
 """
@@ -36,10 +36,13 @@ from common import OUT, STREAM_BYTES, load_line, machine_info, stream_read_secon
 from tqdm import tqdm
 
 import asyncengine  # noqa: F401  (the installed package first)
-from asyncengine.layers import cpu_amx, cpu_gemm, cpu_ops
+from asyncengine.cpu import amx as cpu_amx
+from asyncengine.cpu import gemm as cpu_gemm
+from asyncengine.cpu import ops as cpu_ops
+from asyncengine.cpu.attention import load_kernel_library
 from asyncengine.layers.activation import ActAndMul
 from asyncengine.layers.attention import AttentionMetadata
-from asyncengine.layers.attention_cpu import CpuAttentionBackend, load_kernel_library
+from asyncengine.layers.attention_cpu import CpuAttentionBackend
 from asyncengine.layers.attention_torch import TorchAttentionBackend
 from asyncengine.layers.norm import RMSNorm
 from asyncengine.layers.rotary import apply_rotary

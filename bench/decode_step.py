@@ -14,7 +14,7 @@ steps. Per dtype it prints
 * the floor those bytes set at the streaming-read rate measured in the same run (torch.sum over 1 GiB)
   and the step's share of it ("bandwidth efficiency");
 * a split of the step from torch.profiler: oneDNN linear layers, other torch ops, and the rest
-  (the C attention kernel, the fused C ops and, on an AMX CPU, the bfloat16 GEMMs of layers/cpu_amx.py,
+  (the C attention kernel, the fused C ops and, on an AMX CPU, the bfloat16 GEMMs of cpu/amx.py,
   which the profiler does not see, plus Python);
 * a second split by wall time, each entry point of the step wrapped in a timer for a few more steps
   (packed GEMMs (oneDNN or AMX) and plain ones, the C attention kernel, the KV write, RMSNorm, rotary,
@@ -50,10 +50,11 @@ from tqdm import tqdm
 
 import asyncengine  # noqa: F401  (the installed package first)
 from asyncengine.config import EngineConfig
-from asyncengine.layers import cpu_gemm, cpu_ops
+from asyncengine.cpu import gemm as cpu_gemm
+from asyncengine.cpu import ops as cpu_ops
+from asyncengine.cpu.amx import AmxWeight
 from asyncengine.layers.attention import set_attention_backend
 from asyncengine.layers.attention_cpu import CpuAttentionBackend
-from asyncengine.layers.cpu_amx import AmxWeight
 from asyncengine.layers.parallel import ParallelContext
 from asyncengine.transport.wire import SamplingOptions
 from asyncengine.worker.input_batch import SeqState, StepBatch

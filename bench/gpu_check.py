@@ -23,7 +23,7 @@ import torch
 
 
 def run_gpu_tests() -> int:
-    cmd = [sys.executable, "-m", "pytest", "-q", "tests/cuda", "tests/asyncengine/layers", "tests/asyncengine/test_gpu_engine.py", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "tests/cuda", "tests/asyncengine/layers", "tests/asyncengine/cpu", "tests/asyncengine/test_gpu_engine.py", "-p", "no:cacheprovider"]
     print("$", " ".join(cmd), flush=True)
     return subprocess.run(cmd, timeout=240).returncode
 
@@ -85,7 +85,7 @@ def decode_throughput(model_dir: Path, batch: int, eager: bool, steps: int, devi
 
 
 def attention_times() -> tuple[float, float]:
-    sys.path.insert(0, "tests/asyncengine/layers")
+    sys.path.insert(0, "tests/asyncengine/cpu")
     from test_attention_cpu import build_batch
 
     from asyncengine.layers.attention_torch import TorchAttentionBackend

@@ -294,7 +294,7 @@ async def metrics(base: str) -> dict[str, float]:
         text = (await http.get(f"{base}/metrics")).text
     out = {}
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_free_blocks"):
-        m = re.search(rf"^asyncengine:{name} (\S+)$", text, re.M)
+        m = re.search(rf"^asyncengine:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)  # any labels (model_name)
         out[name] = float(m.group(1)) if m else float("nan")
     return out
 

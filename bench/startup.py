@@ -10,7 +10,10 @@ OpenAI API server from bench/vllm_venv) on a free port and stops when the first 
 streamed one-token /v1/completions request arrives. The client polls from the start: connection
 refused or 503 (asyncengine answers 503 while it loads) are retried every 20 ms. Both servers get the
 same model (default: the bundled default model, a small Llama with a tokenizer), float32 and 2 threads.
-Also reported for asyncengine: when it printed its "serving on" line. Every server is killed (its
+Also reported for asyncengine: when it printed its "serving on" line, and the split of its start-up:
+the server runs with ASYNCENGINE_STARTUP_TRACE=1, so the engine process and its rank-0 worker stamp
+their milestones on stderr (asyncengine/startup_trace.py), and the table gives seconds from launch to
+each milestone and the phases between them (medians over the launches). Every server is killed (its
 whole process group) before the next launch. Writes bench/out/startup.json and bench/out/startup.png.
 """
 
@@ -19,9 +22,11 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -67,22 +72,92 @@ def first_token(base_url: str, proc: Any, deadline: float) -> float:
     raise TimeoutError("no token before the deadline")
 
 
+TRACE_PREFIX = b"asyncengine-startup "  # asyncengine/startup_trace.py
+# milestones, in start-up order: "process event" as traced, and the name they get in the table
+MILESTONES = [
+    ("engine spawn", "engine: imported, spawns workers"),
+    ("worker0 started", "worker: process up"),
+    ("engine init-done", "engine: config + tokenizer read"),
+    ("worker0 init-received", "worker: InitWorker received"),
+    ("worker0 imported", "worker: torch + model code imported"),
+    ("worker0 model-loaded", "worker: weights loaded"),
+    ("worker0 kv-sized", "worker: KV cache sized"),
+    ("engine cache-ready", "engine: KV cache allocated"),
+    ("worker0 first-step-received", "worker: first step received"),
+    ("worker0 first-step", "worker: first step done"),
+]
+
+
+def phases(at: dict[str, float], first_token_s: float) -> dict[str, float]:
+    """The start-up split, in seconds: engine imports (launch to spawning the workers: the interpreter,
+    imports, binding, the app), worker spawn (to the worker's serve loop), engine config + tokenizer,
+    worker imports (torch and the model code, in the background from the worker's start), weight load
+    (from when both InitWorker and the imports are there), KV set-up (sizing, allocation, graph
+    capture), first step (the KV cache ready to the client's first token: readiness, the request, the
+    first forward)."""
+    if not all(k in at for k, _ in MILESTONES[:-2]):
+        return {}
+    load_from = max(at["worker0 init-received"], at["worker0 imported"])
+    return {
+        "engine imports": at["engine spawn"],
+        "worker spawn": at["worker0 started"] - at["engine spawn"],
+        "engine config + tokenizer": at["engine init-done"] - at["engine spawn"],
+        "worker imports": at["worker0 imported"] - at["worker0 started"],
+        "weight load": at["worker0 model-loaded"] - load_from,
+        "KV set-up": at["engine cache-ready"] - at["worker0 model-loaded"],
+        "first step": first_token_s - at["engine cache-ready"],
+    }
+
+
 def launch_once(kind: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     cmd, env = server_command(kind, model, port, args)
+    if kind == "asyncengine":
+        env = {**(env or os.environ), "ASYNCENGINE_STARTUP_TRACE": "1"}
     ready_at: list[float] = []
+    marks: dict[str, float] = {}  # "process event" -> wall-clock time
+    tail: deque[bytes] = deque(maxlen=40)  # the server's last output lines, reported if it fails
+    t0_wall = time.time()
     t0 = time.perf_counter()
     with started(cmd, env=env, cwd=OUT) as proc:  # output on a pipe, drained by the thread below
 
         def drain() -> None:
             assert proc.stdout is not None
             for raw in proc.stdout:
-                if not ready_at and b"asyncengine serving" in raw:
+                tail.append(raw)
+                if raw.startswith(TRACE_PREFIX):
+                    parts = raw.decode(errors="replace").split()
+                    if len(parts) == 4:
+                        marks.setdefault(f"{parts[2]} {parts[3]}", float(parts[1]))
+                elif not ready_at and b"asyncengine serving" in raw:
                     ready_at.append(time.perf_counter())
 
         threading.Thread(target=drain, daemon=True).start()
-        t_tok = first_token(f"http://127.0.0.1:{port}", proc, t0 + args.timeout)
-    return {"first_token_s": t_tok - t0, "ready_line_s": (ready_at[0] - t0) if ready_at else None}
+        try:
+            t_tok = first_token(f"http://127.0.0.1:{port}", proc, t0 + args.timeout)
+        except Exception as e:
+            time.sleep(0.2)  # the server's last words
+            e.output_tail = [line.decode(errors="replace").rstrip() for line in tail]  # type: ignore[attr-defined]
+            raise
+        time.sleep(0.1)  # the worker's first-step line may trail the token by a moment
+    first_token_s = t_tok - t0
+    at = {k: round(v - t0_wall, 4) for k, v in marks.items()}
+    return {"first_token_s": first_token_s, "ready_line_s": (ready_at[0] - t0) if ready_at else None,
+            "milestones_s": at, "phases_s": phases(at, first_token_s)}
+
+
+def split_tables(rs: list[dict[str, Any]]) -> str:
+    """Medians over the launches of each milestone (seconds from launch) and of each phase."""
+    ok = [r for r in rs if "error" not in r and r.get("phases_s")]
+    if not ok:
+        return ""
+    rows = [[name, median([r["milestones_s"][k] for r in ok])] for k, name in MILESTONES
+            if all(k in r["milestones_s"] for r in ok)]
+    rows.append(["client: first streamed token", median([r["first_token_s"] for r in ok])])
+    out = table(["milestone", "s from launch (median)"], rows)
+    out += "\n\n" + table(["phase", "s (median)"],
+                           [[k, median([r["phases_s"][k] for r in ok])] for k in ok[0]["phases_s"]])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         apply_quick(args, p, {"repeats": 1})
     model = resolve_model(args.model)
+    OUT.mkdir(parents=True, exist_ok=True)  # the servers' working directory
     kinds, notes = [], []
     for k in args.servers:
         if k == "vllm" and not vllm_available():
@@ -115,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             runs[kind].append(launch_once(kind, model, args))
         except Exception as e:
-            print(f"\n{kind} launch failed: {type(e).__name__}: {e}", file=sys.stderr)
-            runs[kind].append({"error": f"{type(e).__name__}: {e}"[:300]})
+            out_tail = getattr(e, "output_tail", [])
+            print(f"\n{kind} launch failed: {type(e).__name__}: {e}", *out_tail, sep="\n", file=sys.stderr)
+            runs[kind].append({"error": f"{type(e).__name__}: {e}"[:300], "output_tail": out_tail})
     info1 = machine_info()
 
     summary = {}
@@ -132,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(["server", "first token s (median)", "min", "max", "÷ vLLM", "'serving' line s", "failures"],
                 [[k, s["median_s"], s["min_s"], s["max_s"], s["median_s"] / ref if ref and s["median_s"] else None,
                   s["ready_line_median_s"], s["failures"]] for k, s in summary.items()]))
+    for kind, rs in runs.items():
+        split = split_tables(rs)
+        if split:
+            print(f"\n{kind} start-up split ({sum('error' not in r for r in rs)} launches):\n{split}")
     for n in notes:
         print(f"note: {n}")
     write_json(args.out, {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

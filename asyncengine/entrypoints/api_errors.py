@@ -22,14 +22,15 @@ ERROR_TYPES = {
 
 
 class ApiError(Exception):
-    """An error answered with `status` and OpenAI's error body."""
+    """An error answered with `status` and OpenAI's error body; `param` names the offending field."""
 
     status = 400
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, param: str | None = None) -> None:
         super().__init__(message)
         if status is not None:
             self.status = status
+        self.param = param
 
 
 class TooManyRequestsError(ApiError):
@@ -66,7 +67,14 @@ def message_of(exc: BaseException) -> str:
     return str(exc)
 
 
-def error_body(message: str, status: int) -> dict:
-    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+def param_of(exc: BaseException) -> str | None:
+    """The request field `exc` is about, where known (ApiError's and SamplingParamsError's `param`)."""
+    param = getattr(exc, "param", None)
+    return param if isinstance(param, str) else None
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}; `param` is the offending
+    request field (e.g. "temperature"), or None."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": None, "code": status}}
+                      "param": param, "code": status}}

@@ -25,7 +25,12 @@ import uvicorn
 
 from asyncengine.config import EngineConfig
 from asyncengine.engine import AsyncEngine
-from asyncengine.entrypoints.server import ServerLimits, build_app
+from asyncengine.entrypoints.guard import OriginPolicy
+from asyncengine.entrypoints.http_protocol import ConnectionLimits, uvicorn_options
+from asyncengine.entrypoints.log_stats import DEFAULT_INTERVAL_S, log_stats, startup_line
+from asyncengine.entrypoints.logging_config import uvicorn_log_config
+from asyncengine.entrypoints.server import build_app
+from asyncengine.entrypoints.server_state import ServerLimits
 from asyncengine.errors import AsyncEngineError, ConfigError
 
 logger = logging.getLogger("asyncengine.serve")
@@ -45,6 +50,9 @@ class ServeOptions:
     log_level: str = "info"
     access_log: bool = False
     restart_workers: bool = False  # on engine death: start a new engine (True) or exit 1 (False)
+    connections: ConnectionLimits = ConnectionLimits()  # header/body/keep-alive timeouts, connection cap
+    policy: OriginPolicy = OriginPolicy.for_bind("127.0.0.1")  # Host and Origin checks (OriginPolicy.for_bind)
+    log_stats_interval: float = DEFAULT_INTERVAL_S  # seconds between throughput lines while busy (0: none)
 
 
 class EngineDied(Exception):
@@ -59,19 +67,44 @@ class _Server(uvicorn.Server):
         yield
 
 
+def driver_gpu_count() -> int:
+    """GPUs the CUDA driver shows this process, without torch: cuInit + cuDeviceGetCount from libcuda,
+    which honour CUDA_VISIBLE_DEVICES as torch's count does; 0 without a driver or a device."""
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:  # no NVIDIA driver (or not Linux): torch could see no GPU either
+        return 0
+    count = ctypes.c_int(0)
+    if libcuda.cuInit(0) != 0 or libcuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+def _device_error(config: EngineConfig, count: int) -> str | None:
+    if config.device == "cuda" and count == 0:
+        return "--device cuda, but no CUDA device is visible"
+    local = getattr(config, "nproc_per_node", config.world_size)  # workers on this node
+    if count and local > count:
+        return (f"-tp {config.tensor_parallel_size} x -pp {config.pipeline_parallel_size} needs "
+                f"{local} GPUs on this node, but {count} are visible")
+    return None
+
+
 def check_devices(config: EngineConfig) -> None:
-    """Fails fast (before binding or loading) when more GPUs are requested than are visible."""
-    if config.device == "cpu":
+    """Fails fast (before binding or loading) when more GPUs are requested than are visible.
+
+    The count comes from the CUDA driver (driver_gpu_count), so the server process imports no torch.
+    Only before failing is it confirmed with torch (imported here, on that path alone): a CPU-only
+    torch build sees no GPU whatever the driver shows, and then "auto" runs on the CPU."""
+    if config.device == "cpu" or _device_error(config, driver_gpu_count()) is None:
         return
     import torch
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if config.device == "cuda" and count == 0:
-        raise ConfigError("--device cuda, but no CUDA device is visible")
-    local = getattr(config, "nproc_per_node", config.world_size)  # workers on this node
-    if count and local > count:
-        raise ConfigError(f"-tp {config.tensor_parallel_size} x -pp {config.pipeline_parallel_size} needs "
-                          f"{local} GPUs on this node, but {count} are visible")
+    error = _device_error(config, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if error is not None:
+        raise ConfigError(error)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -101,11 +134,12 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
     """Runs the server until a signal; returns the exit code."""
     check_devices(config)
     sock = bind(opts.host, opts.port)
-    app = build_app(None, opts.api_key, opts.limits, opts.served_model_name)
+    app = build_app(None, opts.api_key, opts.limits, opts.served_model_name, opts.policy)
     state = app.state.server
     uv_config = uvicorn.Config(app, loop="uvloop", lifespan="off", log_level=opts.log_level,
-                               access_log=opts.access_log, timeout_graceful_shutdown=UVICORN_CLOSE_TIMEOUT_S,
-                               ws_max_size=2 * opts.limits.max_frame_bytes)
+                               log_config=uvicorn_log_config(opts.log_level), access_log=opts.access_log,
+                               timeout_graceful_shutdown=UVICORN_CLOSE_TIMEOUT_S,
+                               ws_max_size=2 * opts.limits.max_frame_bytes, **uvicorn_options(opts.connections))
     server = _Server(uv_config)
     stop, force = asyncio.Event(), asyncio.Event()
 
@@ -122,12 +156,17 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
         loop.add_signal_handler(sig, on_signal)
     serving = asyncio.create_task(server.serve(sockets=[sock]), name="uvicorn")
     engine: AsyncEngine | None = None
+    stats_task: asyncio.Task | None = None
     loading = asyncio.create_task(AsyncEngine.start(config), name="engine-start")
     try:
         if not await _first(loading, stop.wait()):  # a signal while loading: start() stopped its workers
             return 0
         engine = loading.result()  # raises the load error, which the caller reports
         state.attach(engine)
+        logger.info("%s", startup_line(engine, state.model_name, driver_gpu_count()))
+        if opts.log_stats_interval > 0:
+            stats_task = asyncio.create_task(log_stats(lambda: state.engine, opts.log_stats_interval),
+                                             name="log-stats")
         print(f"asyncengine serving {state.model_name} on http://{url_host(sock)} "
               f"(ws://{url_host(sock)}/v1/ws)", flush=True)
         while True:
@@ -155,6 +194,8 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
             logger.warning("aborting %d live requests", state.live)
         return 0
     finally:
+        if stats_task is not None:
+            stats_task.cancel()
         state.draining = True
         if engine is not None:
             await engine.shutdown()  # aborts what is left: streams end with finish_reason "abort"

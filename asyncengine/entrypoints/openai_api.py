@@ -1,18 +1,30 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions (both with SSE streaming), /v1/models."""
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions (both with SSE streaming), /v1/models;
+and vLLM's small ones: /tokenize, /detokenize, /version, /ping.
+
+The request routes read the raw body and validate it themselves (FastAPI would answer 422, and turn a
+body over the size limit into a 400); `openapi_extra` declares their bodies for the OpenAPI schema, whose
+components `request_schemas()` provides.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import importlib.metadata
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPBearer
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 from asyncengine.engine import AsyncEngine, Prompt
-from asyncengine.entrypoints.api_errors import ApiError, error_body, message_of, status_of
+from asyncengine.entrypoints.api_errors import ApiError, error_body, message_of, param_of, status_of
+from asyncengine.entrypoints.guard import api_key_ok
 from asyncengine.entrypoints.openai_protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -21,15 +33,28 @@ from asyncengine.entrypoints.openai_protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
+    ChatTemplateFields,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     TokenLogprob,
     TopLogprob,
+    VersionResponse,
+    parse_request,
+    template_chars,
     usage,
 )
-from asyncengine.entrypoints.server import ServerState
+from asyncengine.entrypoints.server_state import ServerState
 from asyncengine.entrypoints.streams import (
     MIN_LOGPROB,
     ClientDisconnected,
@@ -44,8 +69,57 @@ from asyncengine.entrypoints.streams import (
 from asyncengine.outputs import CompletionOutput, Logprob
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
+# NOTE: documents the API key for the schema only; GuardMiddleware checks it on /v1 (never raises here)
+bearer = HTTPBearer(auto_error=False, description="the server's API key (--api-key), on /v1 and /tokenize, "
+                    "/detokenize; none needed without one")
 router = APIRouter()
 STARTED = int(time.time())
+
+# -- the OpenAPI schema -----------------------------------------------------------------------------
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest,
+                                               TokenizeChatRequest, DetokenizeRequest)
+
+
+def request_schemas() -> dict[str, Any]:
+    """The request models' JSON schemas (and the models they use), and the streamed chunks', as OpenAPI
+    components (FastAPI adds those of the response models)."""
+    ref = "#/components/schemas/{model}"
+    _, requests = models_json_schema([(m, "validation") for m in REQUEST_MODELS], ref_template=ref)
+    _, chunks = models_json_schema([(ChatCompletionChunk, "serialization")], ref_template=ref)
+    return {**chunks.get("$defs", {}), **requests.get("$defs", {})}
+
+
+def _body(*models: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` declaring a JSON request body of one of `models`."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
+    schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+ERRORS = {
+    400: "an invalid request (`param` names the field)", 401: "a missing or wrong API key",
+    404: "no such model", 413: "a body over --max-body-bytes", 415: "a body that is not JSON",
+    429: "the live-request limit is reached", 503: "the model is loading, or the server shutting down",
+}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorResponse, "description": ERRORS[code]} for code in codes}
+
+
+def _json_or_sse(model: type[BaseModel], chunk: str) -> dict[int | str, dict[str, Any]]:
+    """A 200 of `model`, or with `stream: true` server-sent events of `chunk`s (or one error) and [DONE]."""
+    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
+        {"$ref": f"#/components/schemas/{chunk}"}, {"$ref": "#/components/schemas/ErrorResponse"}]}}
+    event = {"type": "object", "required": ["data"],  # OpenAPI 3.1: the schema of one event
+             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}}}
+    return {200: {"model": model,
+                  "description": f"the whole response; with `stream: true`, server-sent events, each `data:` "
+                                 f"a JSON {chunk} (or an error that ends the stream), the last `[DONE]`",
+                  "content": {"text/event-stream": {"schema": event}}}}
+
+
+GENERATE_ERRORS = _errors(400, 401, 404, 413, 415, 429, 503)
 
 
 def _state(request: Request) -> ServerState:
@@ -54,17 +128,134 @@ def _state(request: Request) -> ServerState:
 
 def _check_model(state: ServerState, engine: AsyncEngine, model: str | None) -> str:
     if model not in (None, "", state.model_name, engine.config.model):
-        raise ApiError(f"the model {model!r} does not exist; this server serves {state.model_name!r}", 404)
+        raise ApiError(f"the model {model!r} does not exist; this server serves {state.model_name!r}", 404,
+                       param="model")
     return state.model_name
 
 
-@router.get("/v1/models")
+def _card(state: ServerState, engine: AsyncEngine) -> ModelCard:
+    # NOTE: `root` is the served name, not the model's path: the server's file layout stays private
+    return ModelCard(id=state.model_name, created=STARTED, root=state.model_name,
+                     max_model_len=engine.max_model_len)
+
+
+@router.get("/v1/models", response_model=ModelList, responses=_errors(401, 503),
+            dependencies=[Depends(bearer)])
 async def list_models(request: Request) -> Response:
+    """The served model (one)."""
     state = _state(request)
     engine = state.require_engine()
-    card = {"id": state.model_name, "object": "model", "created": STARTED, "owned_by": "asyncengine",
-            "root": engine.config.model, "max_model_len": engine.max_model_len}
-    return JSONResponse({"object": "list", "data": [card]})
+    return JSONResponse(ModelList(data=[_card(state, engine)]).model_dump(mode="json"))
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(401, 404, 503),
+            dependencies=[Depends(bearer)])
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    """The served model's card; 404 for another id."""
+    state = _state(request)
+    engine = state.require_engine()
+    if model_id != state.model_name:
+        raise ApiError(f"the model {model_id!r} does not exist; this server serves {state.model_name!r}", 404,
+                       param="model")
+    return JSONResponse(_card(state, engine).model_dump(mode="json"))
+
+
+# -- vLLM's small endpoints -------------------------------------------------------------------------
+async def _require_key(request: Request) -> None:
+    """The API key, where the server has one (GuardMiddleware checks it on /v1 only)."""
+    key = _state(request).api_key
+    if key and not api_key_ok(request.scope["headers"], key):
+        raise ApiError("invalid or missing API key", 401)
+
+
+def _tokenizer(engine: AsyncEngine) -> Any:
+    if engine.tokenizer is None:
+        raise ApiError("this model has no tokenizer")
+    return engine.tokenizer
+
+
+def encode_prompt(engine: AsyncEngine, prompt: str, add_special_tokens: bool) -> list[int]:
+    """A prompt's token ids (slow on long prompts: call it in a thread), bounded as the engine's are."""
+    tok = _tokenizer(engine)
+    if len(prompt) > engine.max_prompt_chars:
+        raise ApiError(f"the prompt has {len(prompt)} characters, more than max_model_len "
+                       f"({engine.max_model_len}) tokens can hold", param="prompt")
+    try:
+        return list(tok.encode(prompt, add_special_tokens=add_special_tokens))
+    except TypeError:  # the Rust tokenizer refuses what UTF-8 cannot hold: lone surrogates ("\ud800")
+        raise ApiError("the prompt is not valid Unicode (a lone surrogate?)", param="prompt") from None
+
+
+def _has_messages(body: bytes) -> bool:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and "messages" in data
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 401, 404, 413, 415, 503),
+             openapi_extra=_body(TokenizeCompletionRequest, TokenizeChatRequest),
+             dependencies=[Depends(bearer), Depends(_require_key)])
+async def tokenize(request: Request) -> Response:
+    """vLLM's: a prompt's token ids, or those of chat messages through the chat template."""
+    state = _state(request)
+    body = await request.body()
+    req: TokenizeChatRequest | TokenizeCompletionRequest = parse_request(
+        TokenizeChatRequest if _has_messages(body) else TokenizeCompletionRequest, body)
+    engine = state.require_engine()
+    _check_model(state, engine, req.model)
+    if isinstance(req, TokenizeChatRequest):
+        req.check_neutral()
+        ids = await asyncio.to_thread(render_chat, engine, req)
+    else:
+        ids = await asyncio.to_thread(encode_prompt, engine, req.prompt, req.add_special_tokens)
+    strs = None
+    if req.return_token_strs:
+        strs = [str(t) for t in await asyncio.to_thread(_tokenizer(engine).convert_ids_to_tokens, ids)]
+    out = TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
+    return JSONResponse(out.model_dump(mode="json"))
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse,
+             responses=_errors(400, 401, 404, 413, 415, 503), openapi_extra=_body(DetokenizeRequest),
+             dependencies=[Depends(bearer), Depends(_require_key)])
+async def detokenize(request: Request) -> Response:
+    """vLLM's: the text of token ids."""
+    state = _state(request)
+    req = parse_request(DetokenizeRequest, await request.body())
+    engine = state.require_engine()
+    _check_model(state, engine, req.model)
+    tok = _tokenizer(engine)
+    if len(req.tokens) > engine.max_model_len:
+        raise ApiError(f"at most max_model_len ({engine.max_model_len}) tokens", param="tokens")
+    vocab = getattr(engine, "vocab_size", None) or len(tok)
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(f"token id {bad} is not in [0, {vocab})", param="tokens")
+    text = await asyncio.to_thread(tok.decode, req.tokens)
+    return JSONResponse(DetokenizeResponse(prompt=text).model_dump(mode="json"))
+
+
+@router.get("/version", response_model=VersionResponse)
+async def version() -> Response:
+    """asyncengine's version."""
+    try:
+        value = importlib.metadata.version("asyncengine")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        value = "unknown"
+    return JSONResponse({"version": value})
+
+
+PING_DOWN = {503: {"model": HealthResponse, "description": "loading, shutting down or dead"}}
+
+
+@router.get("/ping", response_model=HealthResponse, responses=PING_DOWN)
+@router.post("/ping", response_model=HealthResponse, responses=PING_DOWN | _errors(415))
+async def ping(request: Request) -> Response:
+    """vLLM's health check: /health's answer (a POST, as any here, needs Content-Type: application/json)."""
+    status = _state(request).health()
+    return JSONResponse({"status": status}, 200 if status == "ok" else 503)
 
 
 # -- logprobs ---------------------------------------------------------------------------------------
@@ -103,10 +294,13 @@ def chat_logprobs(c: CompletionOutput, engine: AsyncEngine, top_n: int) -> ChatL
 
 
 # -- /v1/completions --------------------------------------------------------------------------------
-@router.post("/v1/completions")
+@router.post("/v1/completions", response_model=CompletionResponse,
+             responses=_json_or_sse(CompletionResponse, "CompletionResponse") | GENERATE_ERRORS,
+             openapi_extra=_body(CompletionRequest), dependencies=[Depends(bearer)])
 async def completions(request: Request) -> Response:
+    """OpenAI's (legacy) completions, with vLLM's sampling extras."""
     state = _state(request)
-    req = CompletionRequest.model_validate_json(await request.body())
+    req = parse_request(CompletionRequest, await request.body())
     engine = state.require_engine()
     model = _check_model(state, engine, req.model)
     params = req.sampling_params()
@@ -115,33 +309,48 @@ async def completions(request: Request) -> Response:
                         req.include_usage, _CompletionFormat(engine, req.logprobs is not None, req.return_token_ids))
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+             responses=_json_or_sse(ChatCompletionResponse, "ChatCompletionChunk") | GENERATE_ERRORS,
+             openapi_extra=_body(ChatCompletionRequest), dependencies=[Depends(bearer)])
 async def chat_completions(request: Request) -> Response:
+    """OpenAI's chat completions (text only), with vLLM's sampling and chat-template extras."""
     state = _state(request)
-    req = ChatCompletionRequest.model_validate_json(await request.body())
+    req = parse_request(ChatCompletionRequest, await request.body())
     engine = state.require_engine()
     model = _check_model(state, engine, req.model)
     params = req.sampling_params()
-    prompt = render_chat(engine, req)
+    # a template over long messages and their tokenizing take a while: off the loop, other streams go on
+    prompt = await asyncio.to_thread(render_chat, engine, req)
     fmt = _ChatFormat(engine, req.top_logprobs or 0 if req.logprobs else None)
     return await _serve(request, state, engine, [prompt], params, f"chatcmpl-{uuid.uuid4().hex}", model,
                         req.include_usage, fmt)
 
 
-def render_chat(engine: AsyncEngine, req: ChatCompletionRequest) -> list[int]:
-    """The prompt token ids from the tokenizer's chat template."""
+def render_chat(engine: AsyncEngine, req: ChatTemplateFields) -> list[int]:
+    """The prompt token ids from the tokenizer's chat template (slow on long messages: call it in a thread)."""
     tok = engine.tokenizer
     if tok is None:
         raise ApiError("this model has no tokenizer, so chat is unavailable: use /v1/completions with token ids")
     if not getattr(tok, "chat_template", None):
         raise ApiError("this model's tokenizer has no chat template: use /v1/completions")
     messages = [m.as_template_input() for m in req.messages]
+    kwargs = req.template_kwargs()
+    if req.continue_final_message:  # only then: a template call of older transformers knows no such argument
+        kwargs["continue_final_message"] = True
+    chars = template_chars(messages) + len(json.dumps(kwargs, default=str))
+    if chars > engine.max_prompt_chars:
+        raise ApiError(f"the messages have {chars} characters, more than max_model_len "
+                       f"({engine.max_model_len}) tokens can hold", param="messages")
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
+        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
+                                       **kwargs)
     except Exception as e:  # jinja raises anything (templates call raise_exception on bad roles)
-        raise ApiError(f"cannot apply the chat template: {e}") from None
-    # NOTE: the template already wrote any BOS; encoding with special tokens would add a second one
-    return tok.encode(text, add_special_tokens=False)
+        raise ApiError(f"cannot apply the chat template: {e}", param="messages") from None
+    # NOTE: the template already wrote any BOS; encoding with special tokens (by default) would add another
+    try:
+        return list(tok.encode(text, add_special_tokens=req.add_special_tokens))
+    except TypeError:  # lone surrogates
+        raise ApiError("the messages are not valid Unicode (a lone surrogate?)", param="messages") from None
 
 
 async def _serve(request: Request, state: ServerState, engine: AsyncEngine, prompts: list[Prompt],
@@ -163,7 +372,8 @@ async def _serve(request: Request, state: ServerState, engine: AsyncEngine, prom
     except BaseException:
         state.release(slots)
         raise
-    return SSEResponse(_events(state, slots, streams, request_id, created, model, params.n, include_usage, fmt))
+    return SSEResponse(_events(state, slots, streams, request_id, created, model, params.n, include_usage, fmt),
+                       state.limits, request_id)
 
 
 async def _events(state: ServerState, slots: int, streams: list, request_id: str, created: int, model: str,
@@ -189,7 +399,7 @@ async def _events(state: ServerState, slots: int, streams: list, request_id: str
             total = usage(sum(prompt_tokens.values()), completion_tokens)
             yield sse(fmt.usage_chunk(request_id, created, model, total))
     except Exception as e:  # headers are gone: report in-band, as OpenAI and vLLM do
-        yield sse(json.dumps(error_body(message_of(e), status_of(e))))
+        yield sse(json.dumps(error_body(message_of(e), status_of(e), param_of(e))))
     finally:
         await merged.aclose()  # stops the pumps before their streams are closed (which aborts the rest)
         for s in streams:

@@ -1,15 +1,24 @@
-"""Pydantic models of OpenAI's /v1/completions and /v1/chat/completions, plus vLLM's sampling extras.
+"""Pydantic models of OpenAI's /v1/completions and /v1/chat/completions, plus vLLM's sampling extras
+and its /tokenize and /detokenize.
 
-Unknown fields are ignored (as vLLM does); features we do not implement are rejected with a 400
-instead of being silently dropped. Types are strict, as OpenAI's are: `"4"`, `true` and `2.0` are no
-integers (an integer passes as a float); ranges are SamplingParams' own checks, which name the field.
+Unknown fields are refused with a 400 naming them, as OpenAI does (`max_token` is a typo, not a request
+for the default). Every field OpenAI's API defines is known, and vLLM's common extras, so SDKs and
+frameworks never meet that 400 for a legitimate field; those we do not implement are either harmless
+hints, accepted and ignored (`user`, `metadata`, `store`, ...), or accepted only at their neutral value
+(what asking for nothing looks like: `echo: false`, `audio: null`) and otherwise refused with a 400 that
+names them (see `NEUTRAL`). Types are strict, as OpenAI's are: `"4"`, `true` and `2.0` are no integers (an
+integer passes as a float); ranges are SamplingParams' own checks, which name the field. OpenAI's
+nullable fields take null as "the default".
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from asyncengine.entrypoints.api_errors import ApiError
@@ -18,31 +27,60 @@ from asyncengine.sampling_params import OutputKind, SamplingParams, SamplingPara
 MAX_PROMPTS = 256  # prompts in one batched /v1/completions request
 
 
-STRICT = ConfigDict(extra="ignore", strict=True)
+STRICT = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """A request object: unknown fields are a 400; NEUTRAL lists the known fields this server does not
+    implement and the values at which they ask for nothing (any other value is a 400 naming the field)."""
+
     model_config = STRICT
-    include_usage: bool = False
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def check_neutral(self) -> None:
+        for name, neutral in self.NEUTRAL.items():
+            if getattr(self, name) not in neutral:
+                allowed = " or ".join(json.dumps(v) for v in neutral)
+                raise ApiError(f"{name} is not supported (only {allowed})", param=name)
 
 
-class SamplingFields(BaseModel):
+RequestModelT = TypeVar("RequestModelT", bound=RequestModel)
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # OpenAI's padding against length side channels: ignored
+    continuous_usage_stats: bool | None = False  # vLLM's
+    NEUTRAL = {"continuous_usage_stats": (None, False)}
+
+
+# vLLM's extras this server does not implement, shared by both endpoints, at their neutral values
+_VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,), "length_penalty": (1.0,), "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "prompt_logprobs": (None,), "logits_processors": (None, []), "return_tokens_as_token_ids": (None, False),
+    "priority": (0,), "cache_salt": (None,), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+}
+
+
+class SamplingFields(RequestModel):
     """The sampling fields both endpoints share (OpenAI's, then vLLM's extras)."""
 
-    model_config = STRICT
+    NEUTRAL = _VLLM_NEUTRAL
 
     model: str | None = None
-    n: int = 1
+    n: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stream: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[str, float] | None = None  # refused unless empty
+    user: str | None = None  # OpenAI's end-user id for abuse monitoring: ignored
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -52,25 +90,45 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM extras not implemented: accepted at their neutral values only (_VLLM_NEUTRAL)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
-            raise ApiError("stream_options is only allowed with stream=true")
+            raise ApiError("stream_options is only allowed with stream=true", param="stream_options")
         if self.logit_bias:
-            raise ApiError("logit_bias is not supported")
+            raise ApiError("logit_bias is not supported", param="logit_bias")
+        self.check_neutral()
+        if self.stream_options is not None:
+            self.stream_options.check_neutral()
 
     def to_params(self, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
         fields: dict[str, Any] = {
-            "n": self.n, "max_tokens": max_tokens, "min_tokens": self.min_tokens, "seed": self.seed,
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+            "n": 1 if self.n is None else self.n, "max_tokens": max_tokens, "min_tokens": self.min_tokens,
+            "seed": self.seed, "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output, "logprobs": logprobs,
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             "stop_token_ids": list(self.stop_token_ids or []),
             "output_kind": OutputKind.DELTA if stream else OutputKind.FINAL_ONLY,
         }
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                    "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
+                    "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                    "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
         fields.update({k: v for k, v in optional.items() if v is not None})
         try:
             return SamplingParams(**fields)
@@ -81,19 +139,24 @@ class SamplingFields(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
 
 class CompletionRequest(SamplingFields):
+    NEUTRAL = {**_VLLM_NEUTRAL, "echo": (None, False), "suffix": (None, ""), "add_special_tokens": (True,),
+               "response_format": (None, {"type": "text"})}
+
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # strict: `true` is no token id
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
     # vLLM's: each choice (and each streamed chunk) also carries its generated token ids, and a full
     # response the prompt's; what a client of a model without a tokenizer reads, its text being empty
     return_token_ids: bool = False
+    add_special_tokens: bool = True  # vLLM's; the engine's encoding always adds them
+    response_format: dict[str, Any] | None = None  # vLLM's
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one string, one token-id list, or a batch of either."""
@@ -101,68 +164,203 @@ class CompletionRequest(SamplingFields):
         if isinstance(p, str) or (isinstance(p, list) and (not p or isinstance(p[0], int))):
             return [p]  # type: ignore[list-item]
         if len(p) > MAX_PROMPTS:
-            raise ApiError(f"at most {MAX_PROMPTS} prompts per request")
+            raise ApiError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
         if not p:
-            raise ApiError("prompt is empty")
+            raise ApiError("prompt is empty", param="prompt")
         return list(p)  # type: ignore[arg-type]
 
     def sampling_params(self) -> SamplingParams:
         self.check_common()
-        if self.echo:
-            raise ApiError("echo is not supported")
-        if self.suffix:
-            raise ApiError("suffix is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ApiError("best_of must equal n (or be omitted)")
-        return self.to_params(self.max_tokens, self.logprobs, self.stream)
+        if self.best_of is not None and self.best_of != (1 if self.n is None else self.n):
+            raise ApiError("best_of must equal n (or be omitted)", param="best_of")
+        return self.to_params(self.max_tokens, self.logprobs, bool(self.stream))
 
 
-class ContentPart(BaseModel):
-    model_config = STRICT
+class ContentPart(RequestModel):
+    """One part of a message's content; only text parts are supported, the others are a 400."""
+
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | None = None
+    input_audio: dict[str, Any] | None = None
+    file: dict[str, Any] | None = None
+    refusal: str | None = None
+    prompt_cache_breakpoint: dict[str, Any] | None = None  # a prompt-caching hint: ignored
 
 
-class ChatMessage(BaseModel):
-    model_config = STRICT
+class ChatMessage(RequestModel):
+    """A message of any of OpenAI's roles (system, developer, user, assistant, tool, function)."""
+
+    NEUTRAL = {"function_call": (None,), "audio": (None,)}
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls: passed to the template
+    tool_call_id: str | None = None  # what a tool message answers: passed to the template
+    refusal: str | None = None  # an assistant's earlier refusal: its content when it has none
+    annotations: list[Any] | None = None  # of an earlier response (URL citations): ignored
+    function_call: dict[str, Any] | None = None  # deprecated function calling: refused unless null
+    audio: dict[str, Any] | None = None  # an earlier audio response: refused unless null
 
     def as_template_input(self) -> dict[str, Any]:
+        try:
+            self.check_neutral()
+        except ApiError as e:
+            raise ApiError(f"messages: {e}", param="messages") from None
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
-                raise ApiError("only text content parts are supported")
+                raise ApiError("only text content parts are supported", param="messages")
             content = "".join(part.text or "" for part in content)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": content or self.refusal or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
         return out
 
 
-class ChatCompletionRequest(SamplingFields):
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI sends a call's arguments as a JSON string; chat templates expect the object (as vLLM does)."""
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            return {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+        except ValueError:
+            pass
+    return call
+
+
+def template_chars(messages: list[dict[str, Any]]) -> int:
+    """About how many characters the messages put into the template (what bounds its cost)."""
+    return sum(len(m["content"]) + (len(json.dumps(m["tool_calls"])) if "tool_calls" in m else 0)
+               for m in messages)
+
+
+class ChatTemplateFields(RequestModel):
+    """How messages become a prompt (vLLM's fields; chat and /tokenize share them)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template writes BOS itself
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
+    chat_template: str | None = None  # a request's own template: refused unless null
+    documents: list[dict[str, Any]] | None = None  # RAG documents for the template: refused unless null
+    tools: list[dict[str, Any]] | None = None  # refused unless empty
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The template's extra variables; never one that would steer apply_chat_template itself."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError("continue_final_message and add_generation_prompt cannot both be true",
+                           param="continue_final_message")
+        kwargs = dict(self.chat_template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_ARGS & kwargs.keys())
+        if reserved:
+            raise ApiError(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                           param="chat_template_kwargs")
+        return kwargs
+
+
+# apply_chat_template's own arguments (and the message list): not template variables a request may set
+RESERVED_TEMPLATE_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
+    NEUTRAL = {
+        **_VLLM_NEUTRAL, "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,),
+        "modalities": (None, ["text"]), "web_search_options": (None,), "moderation": (None,),
+        "chat_template": (None,), "documents": (None,), "echo": (False,), "return_token_ids": (None, False),
+        "best_of": (None, 1),
+    }
+
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    add_generation_prompt: bool = True  # vLLM extra
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # without tools there is nothing to call in parallel: ignored
+    reasoning_effort: str | None = None  # passed to the chat template (which may ignore it)
+    # OpenAI's hints and bookkeeping, with no effect on what is generated here: ignored
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    verbosity: str | None = None
+    prediction: dict[str, Any] | None = None  # predicted output: a speed-up, the output is the same
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    # OpenAI's features not implemented: accepted at their neutral values only (NEUTRAL)
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    # vLLM's, not implemented
+    echo: bool = False
+    return_token_ids: bool | None = None
+    best_of: int | None = None
 
     def sampling_params(self) -> SamplingParams:
         self.check_common()
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise ApiError("tools are not supported")
+        if self.tools:
+            raise ApiError("tools are not supported", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ApiError("tool_choice is not supported (there are no tools)", param="tool_choice")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ApiError("only response_format {\"type\": \"text\"} is supported")
+            raise ApiError("only response_format {\"type\": \"text\"} is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
-            raise ApiError("top_logprobs needs logprobs=true")
+            raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.to_params(max_tokens, logprobs, self.stream)
+        return self.to_params(max_tokens, logprobs, bool(self.stream))
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = super().template_kwargs()
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
+
+
+# -- vLLM's /tokenize and /detokenize ------------------------------------------------------------------
+class TokenizeCompletionRequest(RequestModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    NEUTRAL = {"chat_template": (None,), "documents": (None,), "tools": (None, [])}
+
+    model: str | None = None
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # -- responses --------------------------------------------------------------------------------------
@@ -251,3 +449,73 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "asyncengine"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- documentation only: what the schema says the other answers hold ---------------------------------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None  # the offending request field, where known
+    code: int  # the HTTP status
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object, the body of every 4xx and 5xx answer."""
+
+    error: ErrorInfo
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "loading", "shutting_down", "dead"]
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+# -- validation errors ---------------------------------------------------------------------------------
+def _suggestion(name: str, model: type[BaseModel] | None) -> str:
+    if model is None:
+        return ""
+    close = difflib.get_close_matches(name, list(model.model_fields), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def validation_error(exc: pydantic.ValidationError | Any, model: type[BaseModel] | None = None) -> ApiError:
+    """A 400 for pydantic's (or FastAPI's) validation error: the first few problems by path, `param` the
+    first one's top-level field; an unknown field is called so, with the closest known name of `model`."""
+    parts = []
+    params = []
+    for err in exc.errors()[:5]:
+        loc = [x for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(str(x) for x in loc)
+        if loc and isinstance(loc[0], str):
+            params.append(loc[0])
+        if err.get("type") == "extra_forbidden":
+            hint = _suggestion(str(loc[-1]), model) if len(loc) == 1 else ""
+            parts.append(f"{where}: unrecognized request argument{hint}")
+        else:
+            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return ApiError("invalid request: " + "; ".join(parts), param=params[0] if params else None)
+
+
+def parse_request(model: type[RequestModelT], body: bytes) -> RequestModelT:
+    """The request `body` (JSON) as `model`, or an ApiError (400) naming the problem and its field."""
+    try:
+        return model.model_validate_json(body)
+    except pydantic.ValidationError as e:
+        raise validation_error(e, model) from None

@@ -1,24 +1,39 @@
 """Helpers for HTTP generation: start engine streams so bad input is a 400 before any byte is sent,
-merge several streams, server-sent events that always release their requests, disconnect watching.
+merge several streams, server-sent events that always release their requests and drop a client that does
+not read, disconnect watching.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Send
+from starlette.types import Message, Send
 
 from asyncengine.engine import AsyncEngine, Prompt
+from asyncengine.entrypoints.api_errors import error_body
+from asyncengine.entrypoints.server_state import ServerLimits
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 T = TypeVar("T")
 MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM clamps the same way
+NOT_READING = "client is not reading its output"
+CLOSE_GRACE_S = 10.0  # for a client found not reading to take the end of its response (websocket: close frame)
+
+
+def stall_check_interval(timeout: float) -> float | None:
+    """How often to look for a send stalled past `timeout` seconds (None: never, 0 turns the check off)."""
+    return min(1.0, timeout / 4) if timeout > 0 else None
 
 
 class ClientDisconnected(Exception):
@@ -130,19 +145,121 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 class SSEResponse(StreamingResponse):
-    """Server-sent events whose generator is always closed, even when the client disconnects mid-send."""
+    """Server-sent events whose generator is always closed, even when the client disconnects mid-send.
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    A pump task pulls the generator into an outbox that a sender task empties, so output the client has not
+    taken is counted (pulled by send() instead, it would pile up unseen in the engine's request queues).
+    Over `limits.max_unsent_bytes`, or when one send waits `limits.send_stall_timeout` seconds (uvicorn's
+    send waits while the socket's buffers are full), the generator is closed, aborting its requests, and the
+    response ends with an in-band error, if the client takes it within CLOSE_GRACE_S.
+    """
+
+    def __init__(self, content: AsyncIterator[str], limits: ServerLimits | None = None, name: str = "") -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.limits = limits or ServerLimits()
+        self.name = name  # for the log
+        self.outbox: deque[bytes] = deque()
+        self.unsent = 0  # bytes in the outbox, the chunk being sent included
+        self.wake = asyncio.Event()  # a chunk was put, or the generator ended
+        self.pulled_all = False
+        self.sending_since: float | None = None  # loop time the current send began
+        self.started = False  # the status line and headers went out
+        self.stopped: str | None = None  # why the client counts as not reading
+        self.sender: asyncio.Task | None = None
 
     async def stream_response(self, send: Send) -> None:
+        pump = asyncio.create_task(self._pump())
+        self.sender = asyncio.create_task(self._send_all(send))
         try:
-            await super().stream_response(send)
+            await self._watch(self.sender, pump)
+            for task in (pump, self.sender):  # a failed send (the client went away) or generator
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
         finally:
-            # NOTE: shielded: a disconnect cancels this scope, and the generator's cleanup aborts requests
+            # NOTE: shielded: a disconnect cancels this scope, and the generator's cleanup aborts requests;
+            # cancelling the pump throws into the generator in a task no scope cancels again mid-cleanup
             with anyio.CancelScope(shield=True):
+                self.sender.cancel()
+                pump.cancel()
+                await asyncio.gather(self.sender, pump, return_exceptions=True)
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
+        if self.stopped is not None:
+            await self._end_not_reading(send)
+
+    async def _pump(self) -> None:
+        async for chunk in self.body_iterator:
+            data = chunk.encode(self.charset) if isinstance(chunk, str) else bytes(chunk)
+            self.outbox.append(data)
+            self.unsent += len(data)
+            self.wake.set()
+            if self.unsent > self.limits.max_unsent_bytes:
+                self._stop(f"{self.unsent} bytes unsent, over the {self.limits.max_unsent_bytes} byte limit")
+                return
+        self.pulled_all = True
+        self.wake.set()
+
+    async def _send_all(self, send: Send) -> None:
+        await self._send(send, self._start_message())
+        self.started = True
+        while self.outbox or not self.pulled_all:
+            if not self.outbox:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            chunk = self.outbox[0]
+            await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": True})
+            self.outbox.popleft()
+            self.unsent -= len(chunk)
+        await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _send(self, send: Send, message: Message) -> None:
+        self.sending_since = asyncio.get_running_loop().time()
+        await send(message)
+        self.sending_since = None
+
+    async def _watch(self, sender: asyncio.Task, pump: asyncio.Task) -> None:
+        """Returns when the response is sent, a task failed, or the client is not reading."""
+        timeout = self.limits.send_stall_timeout
+        loop = asyncio.get_running_loop()
+        waiting = {sender, pump}
+        while self.stopped is None:
+            done, _ = await asyncio.wait(waiting, timeout=stall_check_interval(timeout),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if sender in done or (pump in done and (pump.cancelled() or pump.exception() is not None)):
+                return
+            waiting -= done  # the generator ended: wait for the sender to send the rest
+            since = self.sending_since
+            if timeout > 0 and since is not None and loop.time() - since > timeout:
+                self._stop(f"a chunk waited {timeout:g} s to be sent")
+
+    def _stop(self, why: str) -> None:
+        """The client is not reading: drop its unsent output; stream_response aborts and ends the response."""
+        self.stopped = why
+        self.outbox.clear()
+        self.unsent = 0
+        if self.sender is not None:
+            self.sender.cancel()
+
+    async def _end_not_reading(self, send: Send) -> None:
+        logger.info("SSE response %s: %s (%s): aborted its requests, ending it", self.name, NOT_READING,
+                    self.stopped)
+        end = sse(json.dumps(error_body(NOT_READING, 408))) + "data: [DONE]\n\n"
+        try:
+            # NOTE: uvicorn writes nothing until the client drains some of what it has not read; past the
+            # grace the response stays incomplete and uvicorn closes the connection (after the kernel flushes)
+            await asyncio.wait_for(self._send_end(send, end.encode()), CLOSE_GRACE_S)
+        except Exception:
+            logger.debug("SSE response %s: not ended", self.name, exc_info=True)
+
+    async def _send_end(self, send: Send, body: bytes) -> None:
+        if not self.started:  # the headers' send stalled (the connection's previous response is unread)
+            await send(self._start_message())
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _start_message(self) -> Message:
+        return {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
 
 
 def sse(data: str) -> str:

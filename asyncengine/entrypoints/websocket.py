@@ -10,6 +10,10 @@ server -> client  {"type": "delta", "request_id": "r1", "text": "...", "token_id
 
 Each request runs in its own task and puts frames on the connection's outbox; one writer task sends
 them, so frames never interleave. A request id stays taken until its `done` or `error` frame.
+
+A client that does not read its output (ServerLimits.max_unsent_bytes queued, or one frame waiting
+send_stall_timeout seconds to be sent) has all its requests aborted and the connection closed with 1008
+"client is not reading its output".
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import asyncio
 import json
 import logging
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import msgspec
 from fastapi import WebSocket
 
@@ -30,17 +36,18 @@ from asyncengine.entrypoints.api_errors import (
     PayloadTooLargeError,
     TooManyRequestsError,
     message_of,
+    param_of,
     status_of,
 )
-from asyncengine.entrypoints.server import ServerState
-from asyncengine.entrypoints.streams import clamp
+from asyncengine.entrypoints.server_state import ServerState
+from asyncengine.entrypoints.streams import CLOSE_GRACE_S, NOT_READING, clamp, stall_check_interval
 from asyncengine.outputs import CompletionOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-OUTBOX_FRAMES = 4096  # per connection; a slow reader stalls its own request tasks, not the engine loop
 MAX_REQUEST_ID_LEN = 256
+NOT_READING_CODE = 1008  # policy violation: the client does not take what it asked for
 
 
 @dataclass
@@ -62,41 +69,109 @@ class Connection:
         self.ws = ws
         self.state = state
         self.id = uuid.uuid4().hex[:12]
-        self.outbox: asyncio.Queue[str] = asyncio.Queue(OUTBOX_FRAMES)
+        # NOTE: putting a frame never waits, so a request always keeps taking its engine output (a waiting one
+        # would leave it to pile up in the engine, unbounded); the outbox is bounded in bytes instead
+        self.outbox: deque[str] = deque()
+        self.unsent = 0  # bytes in the outbox, the frame being sent included
+        self.wake = asyncio.Event()  # a frame was put
+        self.sending_since: float | None = None  # loop time the writer's current send began
+        self.stopped: str | None = None  # why the client counts as not reading; set once
         self.live: dict[str, LiveRequest] = {}
+        self.writer: asyncio.Task | None = None
 
     async def run(self) -> None:
-        writer = asyncio.create_task(self._write(), name=f"ws-writer-{self.id}")
+        self.writer = asyncio.create_task(self._write(), name=f"ws-writer-{self.id}")
+        reader = asyncio.create_task(self._read(), name=f"ws-reader-{self.id}")
         try:
-            while True:
-                message = await self.ws.receive()
-                if message["type"] == "websocket.disconnect":
-                    break
-                await self._on_frame(message.get("text"), message.get("bytes"))
+            await self._watch(reader, self.writer)
         finally:
-            # the client is gone: abort everything it started (cancelling a task aborts its request)
+            # the client is gone or not reading: abort everything it started (cancelling a task aborts its
+            # request, which frees its batch slot and KV blocks at once)
+            reader.cancel()
+            self.writer.cancel()
             tasks = [r.task for r in self.live.values() if r.task is not None]
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            writer.cancel()
-            await asyncio.gather(writer, return_exceptions=True)
+            # NOTE: shielded: when the server cancels this task (a disconnect under anyio, say), the
+            # cancellations above still run to the end
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(reader, self.writer, *tasks, return_exceptions=True)
+        if self.stopped is not None:
+            await self._close_not_reading(len(tasks))
+
+    async def _read(self) -> None:
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            await self._on_frame(message.get("text"), message.get("bytes"))
+
+    async def _watch(self, reader: asyncio.Task, writer: asyncio.Task) -> None:
+        """Returns when the client disconnects, the writer stops, or one send has waited past the stall timeout
+        (uvicorn's send waits while the socket's buffers are full, i.e. while the client is not reading)."""
+        timeout = self.state.limits.send_stall_timeout
+        loop = asyncio.get_running_loop()
+        while self.stopped is None:
+            done, _ = await asyncio.wait({reader, writer}, timeout=stall_check_interval(timeout),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if done:
+                return
+            since = self.sending_since
+            if timeout > 0 and since is not None and loop.time() - since > timeout:
+                self._stop(f"a frame waited {timeout:g} s to be sent")
 
     async def _write(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                await self.ws.send_text(await self.outbox.get())
-        except Exception:  # the socket closed under us; the reader sees the disconnect and cleans up
+                if not self.outbox:
+                    self.wake.clear()
+                    await self.wake.wait()
+                    continue
+                frame = self.outbox[0]
+                self.sending_since = loop.time()
+                await self.ws.send_text(frame)
+                self.sending_since = None
+                self.outbox.popleft()
+                self.unsent -= len(frame)
+        except Exception:  # the socket closed under us: run() cleans up
             logger.debug("websocket %s: writer stopped", self.id, exc_info=True)
 
-    async def send(self, frame: dict[str, Any]) -> None:
-        await self.outbox.put(json.dumps(frame, separators=(",", ":")))
+    def send(self, frame: dict[str, Any]) -> None:
+        if self.stopped is not None:
+            return  # closing: the client was not reading
+        text = json.dumps(frame, separators=(",", ":"))
+        self.outbox.append(text)
+        self.unsent += len(text)  # bytes: json.dumps escapes non-ASCII
+        self.wake.set()
+        if self.unsent > self.state.limits.max_unsent_bytes:
+            self._stop(f"{self.unsent} bytes unsent, over the {self.state.limits.max_unsent_bytes} byte limit")
 
-    async def send_error(self, request_id: str | None, exc: BaseException) -> None:
+    def _stop(self, why: str) -> None:
+        """The client is not reading: drop its unsent output now, and wake run() to abort and close."""
+        self.stopped = why
+        self.outbox.clear()
+        self.unsent = 0
+        if self.writer is not None:
+            self.writer.cancel()
+
+    async def _close_not_reading(self, aborted: int) -> None:
+        logger.info("websocket %s: %s (%s): aborted its %d requests, closing it", self.id, NOT_READING,
+                    self.stopped, aborted)
+        try:
+            # NOTE: uvicorn writes nothing, the close frame included, until the client drains some of what it
+            # has not read; past the grace uvicorn closes the socket (after the kernel flushes the rest)
+            await asyncio.wait_for(self.ws.close(NOT_READING_CODE, NOT_READING), CLOSE_GRACE_S)
+        except Exception:
+            logger.debug("websocket %s: no close frame sent", self.id, exc_info=True)
+
+    def send_error(self, request_id: str | None, exc: BaseException) -> None:
         if status_of(exc) == 500:
             logger.error("websocket request %s failed", request_id, exc_info=exc)
-        await self.send({"type": "error", "request_id": request_id, "code": status_of(exc),
-                         "message": message_of(exc)})
+        frame = {"type": "error", "request_id": request_id, "code": status_of(exc), "message": message_of(exc)}
+        if (param := param_of(exc)) is not None:
+            frame["param"] = param  # the offending field, as in OpenAI's error bodies
+        self.send(frame)
 
     # -- incoming frames --------------------------------------------------------------------------
     async def _on_frame(self, text: str | None, data: bytes | None) -> None:
@@ -124,7 +199,7 @@ class Connection:
             else:
                 raise ApiError(f"unknown frame type {kind!r}: expected 'generate' or 'cancel'")
         except Exception as e:
-            await self.send_error(request_id, e)
+            self.send_error(request_id, e)
 
     def _start(self, request_id: str, frame: dict[str, Any]) -> None:
         if request_id in self.live:
@@ -172,14 +247,13 @@ class Connection:
                     live.prompt_tokens = len(out.prompt_token_ids)
                     if c.text or c.token_ids:
                         live.completion_tokens += len(c.token_ids)
-                        await self.send(delta_frame(request_id, c))
+                        self.send(delta_frame(request_id, c))
                     finish_reason = c.finish_reason or finish_reason
         except Exception as e:
-            await self.send_error(request_id, e)
+            self.send_error(request_id, e)
             return
-        await self.send({"type": "done", "request_id": request_id, "finish_reason": finish_reason,
-                         "usage": {"prompt_tokens": live.prompt_tokens,
-                                   "completion_tokens": live.completion_tokens}})
+        self.send({"type": "done", "request_id": request_id, "finish_reason": finish_reason,
+                   "usage": {"prompt_tokens": live.prompt_tokens, "completion_tokens": live.completion_tokens}})
 
 
 def parse_prompt(frame: dict[str, Any]) -> Prompt:

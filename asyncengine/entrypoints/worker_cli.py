@@ -27,7 +27,7 @@ import time
 
 from asyncengine.transport.channels import Endpoints
 from asyncengine.transport.curve import KeyFileError, load_client_keys
-from asyncengine.transport.process_group import worker_env
+from asyncengine.transport.topology import worker_env
 
 logger = logging.getLogger("asyncengine.worker_cli")
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncengine.cpu import ops as cpu_ops
 from asyncengine.errors import ModelLoadError
-from asyncengine.layers import cpu_ops
 
 ActFn = Callable[[torch.Tensor], torch.Tensor]
 

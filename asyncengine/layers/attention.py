@@ -1,7 +1,10 @@
-"""Paged attention: the per-step metadata, the forward context and the Attention layer.
+"""Paged attention: the forward context, the KV-cache write and the Attention layer.
 
 The model runner builds one AttentionMetadata per step and enters `forward_context(meta)`; every
-Attention layer reads it from there (no set/reset pairs, no metadata threaded through model code).
+Attention layer reads it from there (no set/reset pairs, no metadata threaded through model code) and
+hands it to the process's backend (attention_selector).
+
+Imports run one way: attention_backend (metadata, protocol) <- the backends <- attention_selector <- here.
 
 KV-cache layout, per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim].
 Token slot s lives at block s // block_size, offset s % block_size. The cache holds the model's dtype,
@@ -17,56 +20,29 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 
-from asyncengine.layers import cpu_ops
+from asyncengine.cpu import ops as cpu_ops
+from asyncengine.layers.attention_backend import AttentionBackend, AttentionMetadata
+from asyncengine.layers.attention_selector import get_attention_backend, set_attention_backend
 from asyncengine.layers.rotary import apply_rotary
 
-
-@dataclass
-class AttentionMetadata:
-    """Describes one flattened batch: sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64; padding rows point at the scratch block
-    query_start_loc: torch.Tensor  # [B + 1] int32
-    seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new tokens)
-    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
-    query_lens_cpu: list[int]  # same facts on the host, so the CPU backend loops without syncs
-    seq_lens_cpu: list[int]
-    max_query_len: int
-    max_seq_len: int
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
-
-class AttentionBackend(Protocol):
-    """Computes attention of the batch's queries over the paged cache (new K/V already written)."""
-
-    def forward(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], this step's keys (also in the cache)
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,  # W: a query at position i sees keys i - W < j <= i
-    ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
-
+# AttentionMetadata, AttentionBackend and set_attention_backend live below this module (attention_backend,
+# attention_selector) so that the backends need not import it; they are named here too, next to the layer.
+__all__ = [
+    "Attention",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "forward_context",
+    "get_attention_backend",
+    "get_attention_metadata",
+    "set_attention_backend",
+    "write_kv_cache",
+]
 
 _current: AttentionMetadata | None = None
-_backend: AttentionBackend | None = None
 
 
 @contextlib.contextmanager
@@ -83,21 +59,6 @@ def forward_context(meta: AttentionMetadata) -> Iterator[None]:
 def get_attention_metadata() -> AttentionMetadata:
     assert _current is not None, "Attention called outside forward_context()"
     return _current
-
-
-def set_attention_backend(backend: AttentionBackend) -> None:
-    """Chosen once per worker process, before the first forward."""
-    global _backend
-    _backend = backend
-
-
-def get_attention_backend() -> AttentionBackend:
-    global _backend
-    if _backend is None:
-        from asyncengine.layers.attention_torch import TorchAttentionBackend
-
-        _backend = TorchAttentionBackend()
-    return _backend
 
 
 def write_kv_cache(

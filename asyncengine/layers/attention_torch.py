@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from asyncengine.layers.attention import AttentionMetadata
+from asyncengine.layers.attention_backend import AttentionMetadata
 
 # enable_gqa arrived in torch 2.5; older releases get the KV heads repeated instead.
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from asyncengine.cuda.triton_attention import HAS_TRITON, paged_attention_decode, paged_attention_prefill
-from asyncengine.layers.attention import AttentionMetadata
+from asyncengine.layers.attention_backend import AttentionMetadata
 from asyncengine.layers.attention_torch import TorchAttentionBackend
 
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncengine.cpu import gemm as cpu_gemm
 from asyncengine.errors import ModelLoadError
-from asyncengine.layers import cpu_gemm
 from asyncengine.layers.parallel import ParallelContext, tp_all_gather, tp_all_reduce
 
 
@@ -60,7 +60,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocabulary; each rank computes its vocab slice, then all-gather."""
 
-    packed: cpu_gemm.PackedWeight | None = None  # the weight packed for CPU GEMMs (layers/cpu_gemm.py)
+    packed: cpu_gemm.PackedWeight | None = None  # the weight packed for CPU GEMMs (cpu/gemm.py)
     tied = False
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncengine.cpu import gemm as cpu_gemm
 from asyncengine.errors import ModelLoadError
-from asyncengine.layers import cpu_gemm
 from asyncengine.layers.parallel import ParallelContext, tp_all_gather, tp_all_reduce
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
@@ -62,7 +62,7 @@ class _ParallelLinear(nn.Module):
         self.parallel = parallel
         self.in_per_rank, self.out_per_rank = in_per_rank, out_per_rank
         self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank), requires_grad=False)
-        self.packed: cpu_gemm.PackedWeight | None = None  # the weight packed for CPU GEMMs (layers/cpu_gemm.py)
+        self.packed: cpu_gemm.PackedWeight | None = None  # the weight packed for CPU GEMMs (cpu/gemm.py)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
         if bias:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from asyncengine.layers import cpu_ops
+from asyncengine.cpu import ops as cpu_ops
 
 
 class RMSNorm(nn.Module):

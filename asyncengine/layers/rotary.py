@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncengine.cpu import ops as cpu_ops
 from asyncengine.errors import ModelLoadError
-from asyncengine.layers import cpu_ops
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from asyncengine.layers import cpu_ops
+from asyncengine.cpu import ops as cpu_ops
 from asyncengine.transport.wire import SamplingOptions, TokenLogprobs
 
 

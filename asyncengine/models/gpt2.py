@@ -5,8 +5,6 @@ HF stores GPT-2's projections as Conv1D, whose weight is [in, out]; they are tra
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -15,12 +13,12 @@ from torch import nn
 from asyncengine.errors import ModelLoadError
 from asyncengine.layers.activation import get_act_fn
 from asyncengine.layers.attention import Attention
-from asyncengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from asyncengine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, load_into
+from asyncengine.layers.embedding import VocabParallelEmbedding
+from asyncengine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
+from asyncengine.models.base import CausalLM
 
 _CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
-_LAYER = re.compile(r"^transformer\.h\.(\d+)\.")
 
 
 class GPT2Attention(nn.Module):
@@ -98,56 +96,28 @@ class GPT2Model(nn.Module):
         return self.ln_f(hidden)
 
 
-class GPT2LMHeadModel(nn.Module):
-    intermediate_names: tuple[str, ...] = ("hidden_states",)
+class GPT2LMHeadModel(CausalLM):
+    decoder_name = "transformer"
+    layers_name = "h"
+    embedding_name = "wte"
+    tie_word_embeddings_default = True  # GPT2Config's default
+    transformer: GPT2Model
 
     def __init__(self, hf_config: Any, parallel: ParallelContext) -> None:
-        super().__init__()
         if getattr(hf_config, "add_cross_attention", False):
             raise ModelLoadError("GPT-2 with add_cross_attention=True (an encoder-decoder) is not supported")
         # NOTE: reorder_and_upcast_attn only changes the precision of HF's eager path (the sdpa default ignores
         # it), so it is accepted as is.
-        self.config = hf_config
-        self.parallel = parallel
-        self.hidden_size: int = hf_config.hidden_size
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        self.transformer = GPT2Model(hf_config, parallel)
-        self.lm_head: ParallelLMHead | None = None
-        if parallel.is_last_stage:
-            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel)
-            if self.tie_word_embeddings and self.transformer.wte is not None:
-                self.lm_head.tie_to(self.transformer.wte)
+        super().__init__(hf_config, parallel)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:  # last stage: [T, hidden] after ln_f
-        return self.transformer(input_ids, positions, intermediate)
+    def make_decoder(self, hf_config: Any, parallel: ParallelContext) -> GPT2Model:
+        return GPT2Model(hf_config, parallel)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        assert self.lm_head is not None, "compute_logits runs on the last pipeline stage only"
-        return self.lm_head.compute_logits(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if not name.startswith(("transformer.", "lm_head.")):
-                name = "transformer." + name  # the original OpenAI checkpoints have no prefix
-            if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers of old checkpoints
-                continue
-            match = _LAYER.match(name)
-            if match and not self.parallel.owns_layer(int(match.group(1))):
-                continue
-            if name.endswith(_CONV1D):
-                tensor = tensor.t()  # Conv1D [in, out] -> Linear [out, in]
-            if name == "transformer.wte.weight" and self.tie_word_embeddings and "lm_head.weight" in params:
-                load_into(params["lm_head.weight"], name, tensor)  # the last stage's copy of the tied head
-                loaded.add("lm_head.weight")
-            if name not in params:
-                continue
-            load_into(params[name], name, tensor)
-            loaded.add(name)
-        return loaded
+    def map_weight(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        if not name.startswith(("transformer.", "lm_head.")):
+            name = "transformer." + name  # the original OpenAI checkpoints have no prefix
+        if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers of old checkpoints
+            return None
+        if name.endswith(_CONV1D):
+            tensor = tensor.t()  # Conv1D [in, out] -> Linear [out, in]
+        return name, tensor

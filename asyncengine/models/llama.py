@@ -6,27 +6,21 @@ only renames are the fused projections: q/k/v -> qkv_proj and gate/up -> gate_up
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from asyncengine.cpu.amx import AmxWeight
 from asyncengine.layers.activation import ActAndMul
 from asyncengine.layers.attention import Attention
-from asyncengine.layers.cpu_amx import AmxWeight
-from asyncengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from asyncengine.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    load_into,
-)
+from asyncengine.layers.embedding import VocabParallelEmbedding
+from asyncengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from asyncengine.layers.norm import RMSNorm
 from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
 from asyncengine.layers.rotary import RotaryEmbedding, max_rope_positions
+from asyncengine.models.base import CausalLM
 
 
 @dataclass(frozen=True)
@@ -188,82 +182,29 @@ class LlamaModel(nn.Module):
         return self.norm.fused_add(hidden, residual)[0]
 
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-class LlamaForCausalLM(nn.Module):
-    intermediate_names: tuple[str, ...] = ("hidden_states", "residual")
-    # (our fused param, HF's name, shard_id)
-    stacked_params: tuple[tuple[str, str, Any], ...] = (
+class LlamaForCausalLM(CausalLM):
+    intermediate_names = ("hidden_states", "residual")  # the residual add is deferred past the stage boundary
+    stacked_params = (
         (".qkv_proj.", ".q_proj.", "q"),
         (".qkv_proj.", ".k_proj.", "k"),
         (".qkv_proj.", ".v_proj.", "v"),
         (".gate_up_proj.", ".gate_proj.", 0),
         (".gate_up_proj.", ".up_proj.", 1),
     )
+    model: LlamaModel
 
     @classmethod
     def options(cls, cfg: Any) -> LlamaOptions:
         bias = bool(getattr(cfg, "attention_bias", False))
         return LlamaOptions(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
 
-    def __init__(self, hf_config: Any, parallel: ParallelContext) -> None:
-        super().__init__()
-        self.config = hf_config
-        self.parallel = parallel
-        self.hidden_size: int = hf_config.hidden_size
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = LlamaModel(hf_config, parallel, self.options(hf_config))
-        self.lm_head: ParallelLMHead | None = None
-        if parallel.is_last_stage:
-            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel)
-            if self.tie_word_embeddings and self.model.embed_tokens is not None:
-                self.lm_head.tie_to(self.model.embed_tokens)
+    def make_decoder(self, hf_config: Any, parallel: ParallelContext) -> LlamaModel:
+        return LlamaModel(hf_config, parallel, self.options(hf_config))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,  # [T] int64
-        positions: torch.Tensor,  # [T] int64
-        intermediate: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:  # last stage: [T, hidden] after the final norm
-        return self.model(input_ids, positions, intermediate)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        assert self.lm_head is not None, "compute_logits runs on the last pipeline stage only"
-        return self.lm_head.compute_logits(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies HF checkpoint tensors into this shard; returns the names of the parameters it filled."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        shards: dict[str, set[Any]] = {}  # fused param -> shard ids seen; complete only when all arrived
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:  # a buffer older checkpoints saved; recomputed here
-                continue
-            match = _LAYER.match(name)
-            if match and not self.parallel.owns_layer(int(match.group(1))):
-                continue
-            if name == "model.embed_tokens.weight" and self.tie_word_embeddings and "lm_head.weight" in params:
-                # a last stage without the embedding still needs it as its LM head
-                load_into(params["lm_head.weight"], name, tensor)
-                loaded.add("lm_head.weight")
-            target, shard_id = name, None
-            for fused, hf, sid in self.stacked_params:
-                if hf in name:
-                    target, shard_id = name.replace(hf, fused), sid
-                    break
-            if target not in params:  # another stage's embedding / head, or a tensor we do not use
-                continue
-            load_into(params[target], name, tensor, shard_id)
-            if shard_id is None:
-                loaded.add(target)
-            else:
-                shards.setdefault(target, set()).add(shard_id)
-        for target, seen in shards.items():
-            needed = {sid for fused, _, sid in self.stacked_params if fused in target}
-            if seen >= needed:
-                loaded.add(target)
-        return loaded
+    def map_weight(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        if "rotary_emb.inv_freq" in name:  # a buffer older checkpoints saved; recomputed here
+            return None
+        return name, tensor
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -14,6 +14,9 @@ from torch import nn
 
 from asyncengine.errors import ModelLoadError
 from asyncengine.layers.parallel import ParallelContext
+from asyncengine.model_config import is_self_contained, model_max_len, read_model_config
+
+__all__ = ["get_model_config", "lm_head_cost", "load_model", "model_dtype", "model_max_len"]
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16}
@@ -22,7 +25,16 @@ _LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
 
 
 def get_model_config(model_dir: str) -> Any:
-    """The directory's HF config, read locally (never downloads)."""
+    """The directory's config for the model code, read locally (never downloads).
+
+    config.json as it is (a model_config.ModelConfig) when it spells out every field the model code
+    reads (model_config.is_self_contained): transformers' config machinery then stays unimported, the
+    largest part of a worker's start-up after torch (about 2 s: its config classes import
+    torch._dynamo and torch.distributed.tensor). Otherwise transformers' AutoConfig, with its per-class
+    defaults and RoPE conventions."""
+    cfg = read_model_config(model_dir)
+    if is_self_contained(cfg):
+        return cfg
     import transformers
 
     try:
@@ -63,15 +75,6 @@ def lm_head_cost(hf_config: Any) -> float:
     attention = 2 * hidden * hidden + 2 * hidden * hidden * kv_heads // heads
     layer = attention + (3 if gated else 2) * hidden * inter
     return 0.5 * vocab * hidden / layer
-
-
-def model_max_len(hf_config: Any) -> int:
-    """The longest context the model supports (a sliding window does not shorten it: the attention
-    layers honour the window, see llama.sliding_window_of)."""
-    max_len = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
-    if not max_len:
-        raise ModelLoadError("the model config has neither max_position_embeddings nor n_positions")
-    return int(max_len)
 
 
 def load_model(

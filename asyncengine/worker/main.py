@@ -21,9 +21,10 @@ import traceback
 import msgspec
 import zmq
 
+from asyncengine.startup_trace import mark
 from asyncengine.transport.channels import BroadcastReceiver, Endpoints, ResultSender
 from asyncengine.transport.curve import load_client_keys
-from asyncengine.transport.process_group import env_local_rank, env_rank
+from asyncengine.transport.topology import env_local_rank, env_rank
 from asyncengine.transport.wire import (
     CacheReady,
     ExecuteModelRequest,
@@ -51,29 +52,35 @@ def watch_parent(fd: int) -> None:
     threading.Thread(target=wait, name="parent-watch", daemon=True).start()
 
 
-def preimport() -> threading.Thread:
-    """Imports the worker's heavy modules in the background while the engine still reads its tokenizer
-    (InitWorker comes after that): torch, the model code and transformers' config machinery, ~2.5 s
-    of a cold start that would otherwise begin only once InitWorker arrives. The main thread joins
-    this thread before its own imports, so no module is ever imported by two threads at once."""
+def preimport(rank: int, with_transformers: bool = False) -> threading.Thread:
+    """Imports the worker's heavy modules in the background while the engine still starts (InitWorker
+    comes once it has read its tokenizer): torch and the model code, ~1.5 s of a cold start that would
+    otherwise begin only once InitWorker arrives; transformers' config machinery too (~2 s more) when
+    the engine says this model's config needs it (--preimport-transformers: models/loader.py reads a
+    self-contained config.json without it). The main thread joins this thread before its own imports,
+    so no module is ever imported by two threads at once."""
 
     def run() -> None:
         try:
-            import transformers.configuration_utils  # noqa: F401
-            import transformers.modeling_rope_utils  # noqa: F401
-
             import asyncengine.models.registry  # noqa: F401
             import asyncengine.worker.worker  # noqa: F401
+
+            if with_transformers:
+                import transformers.configuration_utils  # noqa: F401
+                import transformers.modeling_rope_utils  # noqa: F401
         except Exception:  # the real import reports any problem, with its traceback
             pass
+        mark(f"worker{rank}", "imported")
 
     thread = threading.Thread(target=run, name="preimport", daemon=True)
     thread.start()
     return thread
 
 
-def serve(rank: int, endpoints: Endpoints, local_rank: int | None = None) -> int:
-    imports = preimport()
+def serve(rank: int, endpoints: Endpoints, local_rank: int | None = None, preimport_transformers: bool = False) -> int:
+    mark(f"worker{rank}", "started")
+    imports = preimport(rank, preimport_transformers)
+    first_step = True
     ctx = zmq.Context()
     rx = BroadcastReceiver(ctx, endpoints)
     tx = ResultSender(ctx, endpoints)
@@ -95,19 +102,28 @@ def serve(rank: int, endpoints: Endpoints, local_rank: int | None = None) -> int
                 continue
             if isinstance(msg, ExecuteModelRequest):
                 assert worker is not None
+                if first_step:
+                    mark(f"worker{rank}", "first-step-received")
                 out = worker.execute_model(msg)
                 if out is not None:
                     tx.send(out)
+                if first_step:
+                    first_step = False
+                    mark(f"worker{rank}", "first-step")
             elif isinstance(msg, InitWorker):
+                mark(f"worker{rank}", "init-received")
                 imports.join()
                 from asyncengine.worker.worker import Worker
 
                 worker = Worker(rank, msg, local_rank)
+                mark(f"worker{rank}", "model-loaded")
                 tx.send(WorkerReady(rank, worker.num_kv_blocks_that_fit(), os.getpid(), worker.vocab_size))
+                mark(f"worker{rank}", "kv-sized")
             elif isinstance(msg, InitCache):
                 assert worker is not None
                 worker.init_cache(msg.num_kv_blocks)
                 tx.send(CacheReady(rank))
+                mark(f"worker{rank}", "cache-ready")
             elif isinstance(msg, Shutdown):
                 return 0
     except Exception as e:  # report, then die: the engine fails in-flight requests with EngineDeadError
@@ -125,13 +141,15 @@ def serve(rank: int, endpoints: Endpoints, local_rank: int | None = None) -> int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncengine-worker")
-    # torchrun-style RANK / LOCAL_RANK stand in for the flags (transport/process_group.py)
+    # torchrun-style RANK / LOCAL_RANK stand in for the flags (transport/topology.py)
     parser.add_argument("--rank", type=int, default=env_rank())
     parser.add_argument("--local-rank", type=int, default=env_local_rank())
     parser.add_argument("--broadcast", required=True)
     parser.add_argument("--results", required=True)
     parser.add_argument("--parent-fd", type=int, default=None)
     parser.add_argument("--curve-keys", default=None, help="key file written by the head (TCP only)")
+    parser.add_argument("--preimport-transformers", action="store_true",
+                        help="import transformers' config machinery in the background (the model's config needs it)")
     args = parser.parse_args(argv)
     if args.rank is None:
         parser.error("--rank (or RANK in the environment) is required")
@@ -141,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         watch_parent(args.parent_fd)
     curve = load_client_keys(args.curve_keys) if args.curve_keys else None
     endpoints = Endpoints(args.broadcast, args.results, curve)
-    return serve(args.rank, endpoints, args.local_rank)
+    return serve(args.rank, endpoints, args.local_rank, args.preimport_transformers)
 
 
 if __name__ == "__main__":

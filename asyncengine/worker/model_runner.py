@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 from asyncengine.config import EngineConfig
+from asyncengine.cpu import gemm as cpu_gemm
+from asyncengine.cpu.kernel_graph import KernelGraphRunner, kernel_graphs_apply
 from asyncengine.cuda.graph_runner import GraphRunner, ModelInputs
-from asyncengine.layers import cpu_gemm
 from asyncengine.layers.attention import Attention, AttentionMetadata, forward_context
 from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
 from asyncengine.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from asyncengine.models.loader import load_model
 from asyncengine.worker.input_batch import SeqState, StepBatch
-from asyncengine.worker.kernel_graph import KernelGraphRunner, kernel_graphs_apply
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -85,7 +85,7 @@ class ModelRunner:
         # Decode steps of the first stage go through the GraphRunner on a GPU (CUDA graphs; eager on
         # padded static buffers with enforce_eager). Later stages receive their input from the previous
         # stage and run eagerly (see docs/architecture.md). On a CPU with the C kernels a single-rank,
-        # single-stage worker replays kernel graphs (worker/kernel_graph.py), padded to multiples of 16
+        # single-stage worker replays kernel graphs (cpu/kernel_graph.py), padded to multiples of 16
         # rows. (A pipeline stage's output leaves the process while the next step may already
         # overwrite the captured buffers, and collectives are not replayed: those run eagerly.)
         max_blocks = -(-self.max_model_len // self.block_size)

@@ -7,7 +7,6 @@ execute_model = prepare_worker_input -> execute_worker -> model_runner.prepare_m
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 
@@ -17,7 +16,8 @@ import torch
 from asyncengine.config import EngineConfig, layer_range
 from asyncengine.cuda.device import bind_device, dist_backend
 from asyncengine.cuda.memory import profile_and_size, size_kv_cache_cpu
-from asyncengine.layers.attention import AttentionBackend, set_attention_backend
+from asyncengine.layers.attention import set_attention_backend
+from asyncengine.layers.attention_selector import make_attention_backend
 from asyncengine.layers.parallel import ParallelContext
 from asyncengine.layers.sampler import SamplerOutput
 from asyncengine.models.loader import get_model_config, lm_head_cost, model_dtype, model_max_len
@@ -30,7 +30,6 @@ from asyncengine.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
-
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if config.dtype != "auto":
         return getattr(torch, config.dtype)
@@ -38,26 +37,6 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if device.type == "cpu" and dtype == torch.float16:
         return torch.bfloat16  # half-precision matmuls are slow on most CPUs; bf16 is well supported
     return dtype
-
-
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """"auto" = Triton on CUDA (when installed), the compiled CPU kernel on CPU."""
-    if name == "auto":
-        if device.type == "cuda":
-            name = "triton" if importlib.util.find_spec("triton") else "torch"
-        else:
-            name = "cpu"
-    if name == "cpu":
-        from asyncengine.layers.attention_cpu import CpuAttentionBackend
-
-        return CpuAttentionBackend()
-    if name == "triton":
-        from asyncengine.layers.attention_triton import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    from asyncengine.layers.attention_torch import TorchAttentionBackend
-
-    return TorchAttentionBackend()
 
 
 class Worker:

@@ -66,7 +66,7 @@ def test_fp8_cache_sharded_matches_single_worker(pp, tp, tiny_model_factory, llm
 
 def test_fp8_cache_write_without_the_c_op() -> None:
     """The index_copy_ path (GPUs, or ASYNCENGINE_CPU_OPS=0) writes float8 K/V as bytes, like the C copy."""
-    from asyncengine.layers import cpu_ops
+    from asyncengine.cpu import ops as cpu_ops
     from asyncengine.layers.attention import write_kv_cache
 
     e5m2 = torch.float8_e5m2

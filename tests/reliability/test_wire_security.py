@@ -35,7 +35,7 @@ from reliability_helpers import ServerProcess, chat_model, children, start_serve
 
 import asyncengine
 from asyncengine import AsyncEngine, EngineConfig, SamplingParams, SamplingParamsError
-from asyncengine.entrypoints.server import api_key_ok
+from asyncengine.entrypoints.guard import api_key_ok
 from asyncengine.transport import channels
 from asyncengine.transport.codec import engine_codec, worker_codec
 from asyncengine.transport.wire import (

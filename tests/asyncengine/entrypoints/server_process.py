@@ -108,7 +108,7 @@ def start_server(model: Path, tmp: Path, *args: str, port: int = 0, wait: bool =
     log = tmp / f"server-{time.monotonic_ns()}.log"
     cmd = [sys.executable, "-m", "asyncengine", "serve", "--model", str(model), "--port", str(port),
            "--dtype", "float32", "--num-kv-blocks", str(NUM_KV_BLOCKS), *args]
-    # cwd=tmp: the repository root would shadow the installed `asyncengine.cuda`/`transport` (DESIGN.md)
+    # cwd=tmp: the repository root would shadow the installed `asyncengine.cuda`/`transport` (docs/design.md)
     with log.open("w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, cwd=tmp,
                                 env={**os.environ, **(env or {})}, start_new_session=True)
@@ -121,6 +121,9 @@ def start_server(model: Path, tmp: Path, *args: str, port: int = 0, wait: bool =
 def metric(server: ServerProcess, name: str) -> float:
     """One sample from the server's /metrics (0 when absent, e.g. a counter never incremented)."""
     text = httpx.get(f"{server.base}/metrics", timeout=10).text
+    # the model_name label every sample carries is left out: `name` is the metric and its other labels
+    text = re.sub(r'\{model_name="[^"]*"\}', "", text)
+    text = re.sub(r',?model_name="[^"]*"', "", text).replace("{,", "{")
     found = re.search(rf"^asyncengine:{re.escape(name)} (\S+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
 

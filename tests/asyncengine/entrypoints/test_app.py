@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from starlette.testclient import WebSocketDenialResponse
 
-from asyncengine.entrypoints.server import ServerLimits, build_app
+from asyncengine.entrypoints.server import build_app
+from asyncengine.entrypoints.server_state import ServerLimits
 from asyncengine.errors import EngineDeadError, InvalidRequestError
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams

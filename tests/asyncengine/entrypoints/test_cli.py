@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -133,3 +135,66 @@ def test_startup_errors(tmp_path: Path, chat_model: Path) -> None:
     for want, ((out, err), code) in results.items():
         lines = [line for line in err.splitlines() if line.startswith("asyncengine: error:")]
         assert code == 1 and len(lines) == 1 and want in lines[0] and out == "", (want, err)
+
+
+# -- the first minutes: --help, --version, a wrong --model ----------------------------------------
+def test_every_flag_says_what_it_does_and_its_default() -> None:
+    from asyncengine.entrypoints.cli import HelpFormatter, VersionAction, build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    formatter = HelpFormatter("asyncengine")
+    for name in ("serve", "generate"):
+        for action in subs[name]._actions:
+            if not action.option_strings or isinstance(action, (argparse._HelpAction, VersionAction)):
+                continue
+            text = formatter._get_help_string(action)
+            assert action.help and len(action.help.split()) >= 3, (name, action.option_strings)
+            assert "default" in text, (name, action.option_strings, text)
+    serve_help = subs["serve"].format_help()
+    assert "bundled default model" in serve_help and "(default: 8000)" in serve_help
+    model = next(a for a in subs["serve"]._actions if "--model" in a.option_strings)
+    assert "bundled default model" in formatter._get_help_string(model)
+
+
+def test_help_and_version_are_fast_and_torch_free(tmp_path: Path) -> None:
+    import importlib.metadata
+
+    procs = {args: subprocess.Popen([sys.executable, "-X", "importtime", "-m", "asyncengine", *args], cwd=tmp_path,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args in (("--help",), ("serve", "--help"), ("generate", "--help"), ("--version",))}
+    for args, p in procs.items():
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, (args, err[-2000:])
+        imported = {m.group(1).split(".")[0] for m in re.finditer(r"^import time:.*\|\s+(\S+)$", err, re.M)}
+        assert imported and not imported & {"torch", "transformers", "triton"}, args
+        if args == ("--version",):
+            assert out == f"asyncengine {importlib.metadata.version('asyncengine')}\n"
+        else:
+            assert out.startswith("usage: asyncengine")
+
+
+def test_model_not_found_names_the_hub_download() -> None:
+    from asyncengine.config import model_not_found
+
+    message = model_not_found("Qwen/Qwen2-0.5B")
+    assert message.startswith("model directory not found: Qwen/Qwen2-0.5B. Only local model directories")
+    assert "`huggingface-cli download Qwen/Qwen2-0.5B --local-dir ./Qwen2-0.5B`" in message
+    assert "`hf download Qwen/Qwen2-0.5B --local-dir ./Qwen2-0.5B`" in message
+    for path in ("/no/such/model", "./models/missing", "missing"):  # paths, not Hub ids: no download advice
+        assert model_not_found(path) == f"model directory not found: {path}"
+
+
+def test_hub_id_or_folder_without_config_json_fail_before_the_server_starts(tmp_path: Path) -> None:
+    (tmp_path / "not-a-model").mkdir()
+    (tmp_path / "not-a-model" / "model.safetensors").write_bytes(b"")
+    cases = {
+        "huggingface-cli download Qwen/Qwen2-0.5B --local-dir ./Qwen2-0.5B": ["--model", "Qwen/Qwen2-0.5B"],
+        "not-a-model has no config.json": ["--model", str(tmp_path / "not-a-model")],
+    }
+    procs = {want: cli(tmp_path, "serve", "--port", "0", *args) for want, args in cases.items()}
+    for want, p in procs.items():
+        out, err = p.communicate(timeout=60)
+        # one line, and nothing of a server: no "Started server process", no URL line
+        assert p.returncode == 1 and out == "" and len(err.splitlines()) == 1, (want, out, err)
+        assert err.startswith("asyncengine: error: ") and want in err, err

@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 from tiny_models import ARCHITECTURES, build_tiny_model, hf_config, load_hf
 
 from asyncengine.config import layer_range
+from asyncengine.cpu import gemm as cpu_gemm
 from asyncengine.errors import ModelLoadError
-from asyncengine.layers import cpu_gemm
 from asyncengine.layers.attention import Attention, AttentionMetadata, forward_context
 from asyncengine.layers.parallel import ParallelContext
 from asyncengine.models.llama import sliding_window_of

@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
+from asyncengine.cpu.attention import load_kernel_library
 from asyncengine.layers.attention import AttentionMetadata, write_kv_cache
-from asyncengine.layers.attention_cpu import CpuAttentionBackend, load_kernel_library
+from asyncengine.layers.attention_cpu import CpuAttentionBackend
 from asyncengine.layers.attention_torch import TorchAttentionBackend
 
 pytestmark = pytest.mark.skipif(load_kernel_library() is None, reason="no C compiler")

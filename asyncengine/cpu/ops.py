@@ -3,7 +3,7 @@ paged KV-cache write, and rotary fused with that write.
 
 Each returns None when it does not apply (not a CPU tensor, a dtype other than float32 / bfloat16,
 no compiler, or ASYNCENGINE_CPU_OPS=0) and the caller runs its PyTorch code instead; the results
-equal PyTorch's up to float32 summation order (tests/asyncengine/layers/test_cpu_ops.py). In a
+equal PyTorch's up to float32 summation order (tests/asyncengine/cpu/test_cpu_ops.py). In a
 bfloat16 decode step of a 12-layer model they replace ~100 torch ops per layer-set with 4 calls.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from asyncengine.layers.csrc_build import build_library
+from asyncengine.cpu.build import build_library
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}

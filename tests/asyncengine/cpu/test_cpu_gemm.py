@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncengine.layers import cpu_amx, cpu_gemm
+from asyncengine.cpu import amx as cpu_amx
+from asyncengine.cpu import gemm as cpu_gemm
 from asyncengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncengine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from asyncengine.layers.parallel import ParallelContext

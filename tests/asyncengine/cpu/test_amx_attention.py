@@ -6,7 +6,8 @@ import pytest
 import torch
 from test_attention_cpu import build_batch
 
-from asyncengine.layers.attention_cpu import CpuAttentionBackend, amx_prompt_attention, load_amx_library
+from asyncengine.cpu.attention import amx_prompt_attention, load_amx_library
+from asyncengine.layers.attention_cpu import CpuAttentionBackend
 from asyncengine.layers.attention_torch import TorchAttentionBackend, causal_attention, gather_kv
 
 pytestmark = pytest.mark.skipif(load_amx_library() is None, reason="no AMX-BF16 (or no C compiler)")

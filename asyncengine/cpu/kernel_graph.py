@@ -1,13 +1,13 @@
 """Kernel graphs: CUDA-graph-style capture and replay of a CPU decode forward made of C kernel calls.
 
-Why: a CPU decode step is ~100 calls into the C kernels (layers/csrc) glued by Python (module calls,
+Why: a CPU decode step is ~100 calls into the C kernels (cpu/csrc) glued by Python (module calls,
 shape checks, output allocation, ctypes argument conversion). Measured on the bench's medium model at
 batch 1, the kernels take 8.7 ms of a 12.1 ms step; the other 3.4 ms is that glue, slowed further by
 caches that the kernels' weight and KV streams have just flushed. A replay runs only the recorded
 calls: no modules, no checks, no allocations.
 
 Capture runs the forward once, as usual, while
-* every function of the kernel libraries (csrc_build.loaded_libraries) is swapped for a proxy that
+* every function of the kernel libraries (build.loaded_libraries) is swapped for a proxy that
   records (function, arguments, return value) and calls through;
 * a TorchDispatchMode sees every torch op: allocations and views need no replay (their addresses are
   what the kernels were given); any other op is recorded as a thunk that recomputes it into the tensor
@@ -35,10 +35,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from asyncengine.cpu.attention import load_kernel_library
+from asyncengine.cpu.build import loaded_libraries
+from asyncengine.cpu.ops import load_ops_library
 from asyncengine.cuda.graph_runner import ForwardFn, GraphRunner
-from asyncengine.layers.attention_cpu import load_kernel_library
-from asyncengine.layers.cpu_ops import load_ops_library
-from asyncengine.layers.csrc_build import loaded_libraries
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
  * Each function here is one pass per row. They reproduce torch's rounding chain in the narrow dtype
  * (every intermediate result torch would store as bf16 is rounded to bf16 here too), so a bf16 model
  * computes what the torch code computes up to float32 summation order. Rows are split across OpenMP
- * threads when there is enough work. Built by asyncengine/layers/csrc_build.py.
+ * threads when there is enough work. Built by asyncengine/cpu/build.py.
  */
 #include "cpu_common.h"
 

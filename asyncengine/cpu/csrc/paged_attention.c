@@ -12,7 +12,7 @@
  * Layouts (contiguous): q/out [T, H, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D], in the
  * query's dtype or (the *_e5m2 kernels) float8 e5m2 bytes, widened in registers;
  * block_tables [B, max_blocks] int32; query_start [B + 1] int32; seq_lens [B] int32; skip [B] or NULL.
- * Built at run time by asyncengine/layers/attention_cpu.py with gcc -O3 -march=native -fopenmp.
+ * Built at run time by asyncengine/cpu/attention.py with gcc -O3 -march=native -fopenmp.
  *
  * Two implementations behind the same symbols, chosen at compile time: an AVX-512 one (x86 with
  * AVX512F/BW/VL) and a portable one that the compiler vectorises as it can. The AVX-512 one widens

@@ -1,5 +1,5 @@
 /* What the AMX kernels (amx_gemm.c, amx_attention.c) share: asking Linux for the tile state, and the
- * tile configuration both use. Included only where the build has AMX; csrc_build.py hashes this file into
+ * tile configuration both use. Included only where the build has AMX; cpu/build.py hashes this file into
  * every library's cache key. */
 #ifndef ASYNCENGINE_AMX_COMMON_H
 #define ASYNCENGINE_AMX_COMMON_H

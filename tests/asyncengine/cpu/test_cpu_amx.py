@@ -1,4 +1,4 @@
-"""The AMX bfloat16 GEMM (layers/cpu_amx.py, csrc/amx_gemm.c) against a float64 reference: every row-count
+"""The AMX bfloat16 GEMM (cpu/amx.py, csrc/amx_gemm.c) against a float64 reference: every row-count
 regime (one tile, 32-row chunks, a partial last tile, several 256-row blocks), ragged N, K padded to 32,
 bias, strided input; a row's result does not depend on its batch; NaN stays in its row."""
 
@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncengine.layers import cpu_amx, cpu_gemm, cpu_ops
-from asyncengine.layers.csrc_build import build_library
+from asyncengine.cpu import amx as cpu_amx
+from asyncengine.cpu import gemm as cpu_gemm
+from asyncengine.cpu import ops as cpu_ops
+from asyncengine.cpu.build import build_library
 from asyncengine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from asyncengine.layers.parallel import ParallelContext
 

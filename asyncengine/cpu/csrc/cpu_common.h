@@ -1,6 +1,6 @@
 /* Helpers shared by the CPU kernels in this directory: float32 / bfloat16 / float8 e5m2 loads as float32,
  * float32 -> bfloat16 and, with AVX-512, 16-lane masks and loads and a polynomial exp. Included by
- * paged_attention.c and cpu_ops.c; asyncengine/layers/csrc_build.py hashes this file into both
+ * paged_attention.c and cpu_ops.c; asyncengine/cpu/build.py hashes this file into both
  * libraries' cache keys. */
 #ifndef ASYNCENGINE_CPU_COMMON_H
 #define ASYNCENGINE_CPU_COMMON_H

@@ -1,14 +1,14 @@
 """bfloat16 linear layers on Intel AMX through csrc/amx_gemm.c, with the weight packed once into AMX tiles.
 
-oneDNN (layers/cpu_gemm.py) reads the weights of a decode step's GEMMs at ~19-22 GB/s on this machine and
+oneDNN (cpu/gemm.py) reads the weights of a decode step's GEMMs at ~19-22 GB/s on this machine and
 does not overlap its AMX arithmetic with those reads; the kernel here streams them at 26-32 GB/s with
 software prefetch. Measured on the bench's medium model (all 12 layers' projections and the LM head, 219 MB,
 cold, 2 threads): M = 1 1.35x, M = 32 1.28x, M = 64 1.1-1.2x oneDNN's speed, M = 128 alike; `bench/cpu_kernels.py`
 prints the comparison. At prefill sizes oneDNN stays ahead (the layers' GEMMs at M = 2048: 154 against 125-137
-ms), but only one packed copy of a weight is kept (cpu_gemm.prepack says why).
+ms), but only one packed copy of a weight is kept (gemm.prepack says why).
 
 A merged [gate | up] weight can be packed `gated`: the GEMM then returns silu(gate) * up (LlamaMLP.prepack),
-one op less and half the output written; the result is cpu_ops.silu_and_mul's on the plain output, bit for bit.
+one op less and half the output written; the result is ops.silu_and_mul's on the plain output, bit for bit.
 
 A row's output does not depend on the rest of the batch (each output element is accumulated over K in one
 fixed order), unlike oneDNN's, whose kernels change with M.
@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from asyncengine.layers.csrc_build import build_library
+from asyncengine.cpu.build import build_library
 
 SOURCE = Path(__file__).parent / "csrc" / "amx_gemm.c"
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
@@ -48,7 +48,7 @@ class AmxWeight(NamedTuple):
 
 
 def allowed() -> bool:
-    """ASYNCENGINE_CPU_AMX=0 keeps every AMX kernel off (these GEMMs and layers/csrc/amx_attention.c)."""
+    """ASYNCENGINE_CPU_AMX=0 keeps every AMX kernel off (these GEMMs and csrc/amx_attention.c)."""
     return os.environ.get("ASYNCENGINE_CPU_AMX", "1") != "0"
 
 
@@ -79,7 +79,7 @@ def available() -> bool:
 def pack(weight: torch.Tensor, gated: bool = False) -> AmxWeight | None:
     """[out, in] bfloat16 CPU weight -> its tile-packed copy; None where AMX does not apply.
     gated: a merged [gate | up] weight (out a multiple of 32), packed so that `linear` returns
-    silu(gate) * up, as cpu_ops.silu_and_mul would on the plain output, bit for bit."""
+    silu(gate) * up, as ops.silu_and_mul would on the plain output, bit for bit."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     lib = load_library()  # only for bfloat16: a float32 worker never builds it nor asks for AMX state

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncengine.layers import cpu_ops
+from asyncengine.cpu import ops as cpu_ops
 from asyncengine.layers.activation import ActAndMul
 from asyncengine.layers.norm import RMSNorm
 from asyncengine.layers.rotary import apply_rotary

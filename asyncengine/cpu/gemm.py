@@ -1,5 +1,5 @@
 """The linear layers' GEMMs on CPU, with each weight reordered once: bfloat16 into AMX tiles where the CPU
-has AMX (layers/cpu_amx.py, faster at a decode step's M), otherwise into oneDNN's blocked layout.
+has AMX (cpu/amx.py, faster at a decode step's M), otherwise into oneDNN's blocked layout.
 
 `F.linear` hands MKL / oneDNN a plain row-major weight, and for the small-M GEMMs of a decode step
 (M = the batch) the library re-packs the whole weight on every call: profiled at ~12% of a float32
@@ -27,8 +27,8 @@ from functools import cache
 import torch
 from torch import nn
 
-from asyncengine.layers import cpu_amx
-from asyncengine.layers.cpu_amx import AmxWeight
+from asyncengine.cpu import amx
+from asyncengine.cpu.amx import AmxWeight
 
 # a packed weight: AMX tiles (bfloat16 on an AMX CPU) or an opaque oneDNN tensor
 PackedWeight = AmxWeight | torch.Tensor
@@ -64,9 +64,9 @@ def prepack(weight: torch.Tensor) -> PackedWeight | None:
     if not weight.numel() or not packing_on():
         return None
     with torch.no_grad():
-        amx = cpu_amx.pack(weight)  # None unless bfloat16 on an AMX CPU
-        if amx is not None:
-            return amx
+        tiles = amx.pack(weight)  # None unless bfloat16 on an AMX CPU
+        if tiles is not None:
+            return tiles
     if not enabled():
         return None
     if weight.dtype == torch.float32 and weight.numel() * weight.element_size() < FP32_PACK_MIN_BYTES:
@@ -76,12 +76,12 @@ def prepack(weight: torch.Tensor) -> PackedWeight | None:
 
 
 def prepack_gated(weight: torch.Tensor) -> AmxWeight | None:
-    """A merged [gate | up] weight packed for its GEMM to return silu(gate) * up (cpu_amx.pack(gated=True));
+    """A merged [gate | up] weight packed for its GEMM to return silu(gate) * up (amx.pack(gated=True));
     None where that does not apply (no AMX, not bfloat16, packing off, an intermediate size not of 16)."""
     if not weight.numel() or not packing_on():
         return None
     with torch.no_grad():
-        return cpu_amx.pack(weight, gated=True)
+        return amx.pack(weight, gated=True)
 
 
 @cache
@@ -98,7 +98,7 @@ def bucket_rows(rows: int) -> int:
 def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """[T, in] -> [T, out]: x W^T + b with a weight from `prepack` (oneDNN: at a bucketed row count)."""
     if isinstance(packed, AmxWeight):
-        return cpu_amx.linear(x, packed, bias)  # any M: no primitives to cache
+        return amx.linear(x, packed, bias)  # any M: no primitives to cache
     rows = x.shape[0]
     padded = bucket_rows(rows) if x.dim() == 2 else rows
     if padded != rows:

@@ -1,4 +1,4 @@
-"""Builds the C sources in layers/csrc/ into shared libraries on first use, cached per machine.
+"""Builds the C sources in cpu/csrc/ into shared libraries on first use, cached per machine.
 
 The kernels are plain C (no torch headers), compiled by the system compiler in well under a second
 and loaded with ctypes; tensors are passed as data pointers. The cache key covers the source, the
@@ -28,7 +28,7 @@ _LOADED: list[ctypes.CDLL] = []  # every library build_library returned, for ker
 
 
 def loaded_libraries() -> list[ctypes.CDLL]:
-    """The kernel libraries loaded so far (worker/kernel_graph.py records calls into them)."""
+    """The kernel libraries loaded so far (cpu/kernel_graph.py records calls into them)."""
     return list(_LOADED)
 
 

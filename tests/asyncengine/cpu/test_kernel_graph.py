@@ -1,4 +1,4 @@
-"""CPU kernel graphs (worker/kernel_graph.py): a replayed decode step gives the eager forward's bits."""
+"""CPU kernel graphs (cpu/kernel_graph.py): a replayed decode step gives the eager forward's bits."""
 
 from __future__ import annotations
 
@@ -9,20 +9,20 @@ import pytest
 import torch
 
 from asyncengine.config import EngineConfig
-from asyncengine.cuda.graph_runner import ModelInputs
-from asyncengine.layers import cpu_amx
-from asyncengine.layers.attention import forward_context, set_attention_backend
-from asyncengine.layers.attention_cpu import CpuAttentionBackend
-from asyncengine.layers.parallel import ParallelContext
-from asyncengine.transport.wire import SamplingOptions
-from asyncengine.worker.input_batch import SeqState, StepBatch
-from asyncengine.worker.kernel_graph import (
+from asyncengine.cpu import amx as cpu_amx
+from asyncengine.cpu.kernel_graph import (
     GraphUnsupported,
     KernelGraph,
     KernelGraphRunner,
     kernel_graph_sizes,
     kernel_graphs_apply,
 )
+from asyncengine.cuda.graph_runner import ModelInputs
+from asyncengine.layers.attention import forward_context, set_attention_backend
+from asyncengine.layers.attention_cpu import CpuAttentionBackend
+from asyncengine.layers.parallel import ParallelContext
+from asyncengine.transport.wire import SamplingOptions
+from asyncengine.worker.input_batch import SeqState, StepBatch
 from asyncengine.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not kernel_graphs_apply(), reason="no C kernels (no compiler)")
