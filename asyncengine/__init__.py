@@ -28,9 +28,21 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "LLM", "AsyncEngine", "AsyncEngineError", "CompletionOutput", "ConfigError", "EngineConfig", "EngineDeadError",
-    "EngineShutdownError", "InvalidRequestError", "Logprob", "ModelLoadError", "OutputKind", "RequestOutput",
-    "SamplingParams", "SamplingParamsError",
+    "LLM",
+    "AsyncEngine",
+    "AsyncEngineError",
+    "CompletionOutput",
+    "ConfigError",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineShutdownError",
+    "InvalidRequestError",
+    "Logprob",
+    "ModelLoadError",
+    "OutputKind",
+    "RequestOutput",
+    "SamplingParams",
+    "SamplingParamsError",
 ]
 
 if TYPE_CHECKING:

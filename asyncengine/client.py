@@ -18,7 +18,18 @@ from asyncengine.entrypoints.client import (
 )
 
 __all__ = [
-    "AsyncClient", "AuthenticationError", "BadRequestError", "ClientConnectionError", "ClientError", "Completion",
-    "ConnectionLost", "Delta", "InternalServerError", "PayloadTooLargeError", "RateLimitError", "ServerError",
-    "ServiceUnavailableError", "Usage",
+    "AsyncClient",
+    "AuthenticationError",
+    "BadRequestError",
+    "ClientConnectionError",
+    "ClientError",
+    "Completion",
+    "ConnectionLost",
+    "Delta",
+    "InternalServerError",
+    "PayloadTooLargeError",
+    "RateLimitError",
+    "ServerError",
+    "ServiceUnavailableError",
+    "Usage",
 ]

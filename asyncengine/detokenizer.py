@@ -23,8 +23,9 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def append(self, token_id: int) -> str:
         """Adds one token; returns the text it completes (possibly empty)."""

@@ -81,14 +81,19 @@ class AsyncEngine:
         engine = cls(config)
         try:
             await engine.executor.start()
-            engine.scheduler = sched = Scheduler.from_config(config, engine.executor.num_kv_blocks,
-                                                             engine.max_model_len)
+            engine.scheduler = sched = Scheduler.from_config(
+                config, engine.executor.num_kv_blocks, engine.max_model_len
+            )
         except BaseException:
             engine.executor.shutdown()
             raise
         bm = sched.block_manager
-        engine.stats.bind_scheduler(lambda: len(sched.running), lambda: len(sched.waiting), lambda: bm.usage,
-                                    lambda: bm.num_free_blocks)
+        engine.stats.bind_scheduler(
+            lambda: len(sched.running),
+            lambda: len(sched.waiting),
+            lambda: bm.usage,
+            lambda: bm.num_free_blocks,
+        )
         engine._loop_task = asyncio.create_task(engine._run(), name="asyncengine-loop")
         return engine
 
@@ -122,8 +127,12 @@ class AsyncEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
 
-    def add_request(self, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> RequestState:
+    def add_request(
+        self,
+        prompt: Prompt | TokenizedPrompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> RequestState:
         """Validates and queues a request; raises InvalidRequestError (or a subclass) on bad input."""
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         self._check_open(request_id)
@@ -139,8 +148,9 @@ class AsyncEngine:
         self._wake.set()
         return state
 
-    def generate(self, prompt: Prompt, params: SamplingParams | None = None,
-                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Streams RequestOutputs; leaving the loop early (or cancelling the task) aborts the request.
 
         The request is validated and queued at the call, so bad input raises here, before any output.
@@ -155,8 +165,9 @@ class AsyncEngine:
             return self._tokenize_then_stream(prompt, params, request_id)
         return self._stream(self.add_request(prompt, params, request_id))
 
-    async def _tokenize_then_stream(self, prompt: str, params: SamplingParams,
-                                    request_id: str) -> AsyncIterator[RequestOutput]:
+    async def _tokenize_then_stream(
+        self, prompt: str, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
         ids = await asyncio.to_thread(self.input_processor.encode, prompt)
         stream = self._stream(self.add_request(TokenizedPrompt(prompt, ids), params, request_id))
         async with contextlib.aclosing(stream):  # closing early aborts the request, as for _stream
@@ -237,10 +248,14 @@ class AsyncEngine:
         except ENCODE_ERRORS:
             # NOTE: the API boundary bounds every field, so this is the second line of defence: the
             # requests whose part of the step cannot be encoded fail alone, the rest of the step goes out
-            logger.exception("step %d does not encode; failing the requests it cannot carry", step.request.step_id)
+            logger.exception(
+                "step %d does not encode; failing the requests it cannot carry", step.request.step_id
+            )
             for seq_id, e in self.encoder.unencodable(step).items():
                 if (state := self.seq_owner.get(seq_id)) is not None and not state.done:
-                    self._finish_request(state, InvalidRequestError(f"the request cannot be sent to the workers: {e}"))
+                    self._finish_request(
+                        state, InvalidRequestError(f"the request cannot be sent to the workers: {e}")
+                    )
             unsent = [item for item in step.items if item.seq.aborted]  # the failed requests' sequences
             for item in unsent:  # undo what schedule() counted in flight, then free them
                 self.scheduler.unschedule(item)
@@ -253,7 +268,9 @@ class AsyncEngine:
             nbytes = self.executor.send(step.request)
         self.stats.on_step_sent(sched, nbytes)
         # NOTE: workers see new sequences first, then cached ones; outputs come back in that order
-        self._in_flight.append(InFlight(step.request.step_id, sched._replace(scheduled=step.items), time.monotonic()))
+        self._in_flight.append(
+            InFlight(step.request.step_id, sched._replace(scheduled=step.items), time.monotonic())
+        )
 
     def _process(self, output: ModelOutput) -> None:
         assert self.scheduler is not None

@@ -98,10 +98,12 @@ class Executor:
                 write_key_file(keys, config.key_file)
                 self.endpoints = Endpoints.tcp(config.head_host, config.head_port, keys)
                 # NOTE: the allowlists must run before the sockets bind, or the first peers skip ZAP
-                self._auth = [ClientAllowlist(c, [keys.client_public]) for c in (self._sync_ctx, self._async_ctx)]
+                self._auth = [
+                    ClientAllowlist(c, [keys.client_public]) for c in (self._sync_ctx, self._async_ctx)
+                ]
             else:
                 self.endpoints = Endpoints.local()
-                self._ipc_dir = Path(self.endpoints.broadcast[len("ipc://"):]).parent
+                self._ipc_dir = Path(self.endpoints.broadcast[len("ipc://") :]).parent
             self.sender = BroadcastSender(self._sync_ctx, self.endpoints, config.heartbeat_timeout)
             self.receiver = ResultReceiver(self._async_ctx, self.endpoints)
         except (zmq.ZMQError, OSError) as e:  # a port in use, an unwritable key file
@@ -134,9 +136,22 @@ class Executor:
         for rank in range(self.config.nproc_per_node):  # node 0's ranks; other nodes start their own
             env = worker_env(os.environ, RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=self.world_size)
             env.setdefault("PYTHONUNBUFFERED", "1")
-            cmd = [sys.executable, "-m", "asyncengine.worker.main", "--rank", str(rank), "--local-rank", str(rank),
-                   "--broadcast", self.endpoints.broadcast, "--results", self.endpoints.results,
-                   "--parent-fd", str(read_fd), *extra]
+            cmd = [
+                sys.executable,
+                "-m",
+                "asyncengine.worker.main",
+                "--rank",
+                str(rank),
+                "--local-rank",
+                str(rank),
+                "--broadcast",
+                self.endpoints.broadcast,
+                "--results",
+                self.endpoints.results,
+                "--parent-fd",
+                str(read_fd),
+                *extra,
+            ]
             self.procs.append(subprocess.Popen(cmd, pass_fds=(read_fd,), env=env, stdin=subprocess.DEVNULL))
         os.close(read_fd)
 
@@ -155,7 +170,9 @@ class Executor:
         mark("engine", "init-done")  # the engine's configs and tokenizer are read
         await self._wait_for_workers()
         mark("engine", "workers-connected")
-        init_method = env_init_method() or f"tcp://{_host(self.config.head_host)}:{free_port(self.config.head_host)}"
+        init_method = (
+            env_init_method() or f"tcp://{_host(self.config.head_host)}:{free_port(self.config.head_host)}"
+        )
         config_json = msgspec.json.encode(self.config)
         self.sender.send(InitWorker(config_json, init_method, self.world_size))
         ready = await self._gather(WorkerReady, load_timeout_s)
@@ -171,9 +188,13 @@ class Executor:
         remote = self.config.nnodes > 1
         timeout_s = REMOTE_JOIN_TIMEOUT_S if remote else LOCAL_JOIN_TIMEOUT_S
         if remote:
-            logger.warning("waiting for %d worker(s) of %d other node(s) on %s; copy %s to them",
-                           self.world_size - len(self.procs), self.config.nnodes - 1, self.endpoints.broadcast,
-                           self.config.key_file)
+            logger.warning(
+                "waiting for %d worker(s) of %d other node(s) on %s; copy %s to them",
+                self.world_size - len(self.procs),
+                self.config.nnodes - 1,
+                self.endpoints.broadcast,
+                self.config.key_file,
+            )
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -253,8 +274,10 @@ class Executor:
                 self._die(f"worker {rank} (pid {p.pid}) exited with code {code}")
         # the heartbeat, and the only sign of life we get from another node's workers
         if self.sender.poll_unsubscribed():
-            self._die(f"a worker left the engine's heartbeat unanswered for {self.config.heartbeat_timeout:g}s "
-                      "or its connection dropped (its process froze or died, or its node did)")
+            self._die(
+                f"a worker left the engine's heartbeat unanswered for {self.config.heartbeat_timeout:g}s "
+                "or its connection dropped (its process froze or died, or its node did)"
+            )
 
     def _die(self, reason: str) -> None:
         self.dead_reason = reason

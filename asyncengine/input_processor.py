@@ -46,8 +46,10 @@ class InputProcessor:
 
     def check_prompt_chars(self, prompt: str) -> None:
         if len(prompt) > self.max_prompt_chars:
-            raise InvalidRequestError(f"the prompt has {len(prompt)} characters, more than max_model_len "
-                                      f"({self.max_model_len}) tokens can hold")
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} characters, more than max_model_len "
+                f"({self.max_model_len}) tokens can hold"
+            )
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids; slow on long prompts, so the engine calls it in a thread for those."""
@@ -68,16 +70,23 @@ class InputProcessor:
         elif isinstance(prompt, (list, tuple)):
             ids, text = list(prompt), None
             if len(ids) < self.max_model_len and any(  # a longer one is refused below, without the scan
-                    not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
+                not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids
+            ):
                 raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         else:
-            raise InvalidRequestError(f"the prompt must be a string or a list of token ids, not {type(prompt).__name__}")
+            raise InvalidRequestError(
+                f"the prompt must be a string or a list of token ids, not {type(prompt).__name__}"
+            )
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         room = self.max_model_len - len(ids)
         if room <= 0:
-            raise InvalidRequestError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}"
+            )
         if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                      f"max_model_len ({self.max_model_len})")
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
         return ProcessedPrompt(text, ids, params.max_tokens if params.max_tokens is not None else room)

@@ -37,9 +37,15 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if params is None or isinstance(params, SamplingParams):
@@ -50,12 +56,15 @@ class LLM:
                 raise ValueError(f"{len(prompts)} prompts but {len(param_list)} SamplingParams")
         return self._call(self._generate_all(prompts, param_list, use_tqdm))
 
-    async def _generate_all(self, prompts: list[Prompt], params: list[SamplingParams],
-                            use_tqdm: bool) -> list[RequestOutput]:
+    async def _generate_all(
+        self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         states = []
         for p, sp in zip(prompts, params):
-            final = SamplingParams(**{f: getattr(sp, f) for f in sp.__struct_fields__ if f != "output_kind"},
-                                   output_kind=OutputKind.FINAL_ONLY)
+            final = SamplingParams(
+                **{f: getattr(sp, f) for f in sp.__struct_fields__ if f != "output_kind"},
+                output_kind=OutputKind.FINAL_ONLY,
+            )
             states.append(self.engine.add_request(p, final))
         bar = tqdm(total=len(states), disable=not use_tqdm, desc="generate")
 

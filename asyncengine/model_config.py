@@ -20,19 +20,46 @@ from asyncengine.errors import ModelLoadError
 
 # transformers' `attribute_map` of the configs whose names differ from the Llama family's
 ATTRIBUTE_MAPS: dict[str, dict[str, str]] = {
-    "gpt2": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
-             "num_hidden_layers": "n_layer"},
+    "gpt2": {
+        "hidden_size": "n_embd",
+        "max_position_embeddings": "n_positions",
+        "num_attention_heads": "n_head",
+        "num_hidden_layers": "n_layer",
+    },
 }
 
 # The config.json keys each model family's code reads without a fallback, or whose fallback
 # (the model code's getattr default) could differ from transformers' class default: when all are
 # present, the JSON values are the values transformers would hand the model code.
 SELF_CONTAINED_KEYS: dict[str, tuple[str, ...]] = {
-    "llama": ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "hidden_act", "rms_norm_eps", "max_position_embeddings",
-              "tie_word_embeddings", "attention_bias", "mlp_bias"),
-    "gpt2": ("architectures", "vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_inner",
-             "activation_function", "layer_norm_epsilon", "scale_attn_weights", "scale_attn_by_inverse_layer_idx"),
+    "llama": (
+        "architectures",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "hidden_act",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "attention_bias",
+        "mlp_bias",
+    ),
+    "gpt2": (
+        "architectures",
+        "vocab_size",
+        "n_embd",
+        "n_layer",
+        "n_head",
+        "n_positions",
+        "n_inner",
+        "activation_function",
+        "layer_norm_epsilon",
+        "scale_attn_weights",
+        "scale_attn_by_inverse_layer_idx",
+    ),
 }
 
 
@@ -86,5 +113,9 @@ def is_self_contained(cfg: ModelConfig) -> bool:
     rope = raw.get("rope_parameters")
     if rope is None:  # written by transformers 4.x: rope_theta (+ rope_scaling)
         return "rope_theta" in raw and not raw.get("rope_scaling")
-    return (isinstance(rope, dict) and "rope_theta" in rope
-            and (rope.get("rope_type") or rope.get("type") or "default") == "default" and not raw.get("rope_scaling"))
+    return (
+        isinstance(rope, dict)
+        and "rope_theta" in rope
+        and (rope.get("rope_type") or rope.get("type") or "default") == "default"
+        and not raw.get("rope_scaling")
+    )

@@ -38,7 +38,9 @@ class OutputProcessor:
     """The live requests' states: sampled tokens in (stops, text, logprobs), RequestOutputs out to each
     request's queue, which its consumer (AsyncEngine.generate) reads."""
 
-    def __init__(self, tokenizer: Any | None, eos_ids: set[int], max_model_len: int, stats: EngineStats) -> None:
+    def __init__(
+        self, tokenizer: Any | None, eos_ids: set[int], max_model_len: int, stats: EngineStats
+    ) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
@@ -51,11 +53,18 @@ class OutputProcessor:
         if self.tokenizer is None:
             return
         for seq in state.seqs:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids,
-                                                     state.params.skip_special_tokens)
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, state.prompt_token_ids, state.params.skip_special_tokens
+            )
 
-    def append_sampled(self, state: RequestState, seq: Sequence, token_ids: list[int],
-                       logprobs: TokenLogprobs | None, now: float) -> None:
+    def append_sampled(
+        self,
+        state: RequestState,
+        seq: Sequence,
+        token_ids: list[int],
+        logprobs: TokenLogprobs | None,
+        now: float,
+    ) -> None:
         """Appends a step's kept tokens (the sampled one, or accepted drafts and the model's pick after
         them) up to the first that finishes the sequence; the logprobs are the first token's."""
         for i, token in enumerate(token_ids):
@@ -153,11 +162,17 @@ class OutputProcessor:
                 seq.num_streamed_chars = len(text)
                 seq.num_streamed_tokens = len(token_ids)
                 text, token_ids, logprobs = text_out, ids_out, lps_out
-            outputs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(token_ids),
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=list(logprobs) if logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            ))
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished,
-                             state.metrics)
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(token_ids),
+                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                    logprobs=list(logprobs) if logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            state.request_id, state.prompt, state.prompt_token_ids, outputs, finished, state.metrics
+        )

@@ -77,18 +77,26 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
         def integer(name: str, value: object, lo: int, hi: int) -> None:
             param = name.removesuffix("[]")
             check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer", param)
-            check(lo <= value <= hi, f"{name} must be in [{lo}, {hi}], got {value}",  # type: ignore[operator]
-                  param)
+            check(
+                lo <= value <= hi,  # type: ignore[operator]
+                f"{name} must be in [{lo}, {hi}], got {value}",
+                param,
+            )
 
         def finite(name: str) -> float:
             value = getattr(self, name)
-            check(isinstance(value, (int, float)) and not isinstance(value, bool), f"{name} must be a number",
-                  name)
+            check(
+                isinstance(value, (int, float)) and not isinstance(value, bool),
+                f"{name} must be a number",
+                name,
+            )
             check(math.isfinite(value), f"{name} must be finite, got {value}", name)
             return float(value)
 
         integer("n", self.n, 1, 64)
-        check(finite("temperature") >= 0.0, f"temperature must be >= 0, got {self.temperature}", "temperature")
+        check(
+            finite("temperature") >= 0.0, f"temperature must be >= 0, got {self.temperature}", "temperature"
+        )
         check(0.0 < finite("top_p") <= 1.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         integer("top_k", self.top_k, 0, MAX_INT32)  # -1 (off) became 0 in __post_init__
         check(0.0 <= finite("min_p") <= 1.0, f"min_p must be in [0, 1], got {self.min_p}", "min_p")
@@ -105,22 +113,40 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
         check(isinstance(self.stop, list), "stop must be a string or a list of strings", "stop")
         check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings", "stop")
         for s in self.stop:
-            check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN,
-                  f"stop strings must be 1..{MAX_STOP_STRING_LEN} characters", "stop")
-        check(isinstance(self.stop_token_ids, list), "stop_token_ids must be a list of integers",
-              "stop_token_ids")
-        check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids",
-              "stop_token_ids")
+            check(
+                isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN,
+                f"stop strings must be 1..{MAX_STOP_STRING_LEN} characters",
+                "stop",
+            )
+        check(
+            isinstance(self.stop_token_ids, list),
+            "stop_token_ids must be a list of integers",
+            "stop_token_ids",
+        )
+        check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids",
+            "stop_token_ids",
+        )
         for t in self.stop_token_ids:
             integer("stop_token_ids[]", t, 0, MAX_INT32)
         if self.logprobs is not None:
             integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        check(-2.0 <= finite("presence_penalty") <= 2.0, "presence_penalty must be in [-2, 2]",
-              "presence_penalty")
-        check(-2.0 <= finite("frequency_penalty") <= 2.0, "frequency_penalty must be in [-2, 2]",
-              "frequency_penalty")
-        check(0.0 < finite("repetition_penalty") <= 10.0, "repetition_penalty must be in (0, 10]",
-              "repetition_penalty")
+        check(
+            -2.0 <= finite("presence_penalty") <= 2.0,
+            "presence_penalty must be in [-2, 2]",
+            "presence_penalty",
+        )
+        check(
+            -2.0 <= finite("frequency_penalty") <= 2.0,
+            "frequency_penalty must be in [-2, 2]",
+            "frequency_penalty",
+        )
+        check(
+            0.0 < finite("repetition_penalty") <= 10.0,
+            "repetition_penalty must be in (0, 10]",
+            "repetition_penalty",
+        )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             check(isinstance(getattr(self, name), bool), f"{name} must be true or false", name)
         check(isinstance(self.output_kind, OutputKind), "output_kind must be an OutputKind", "output_kind")

@@ -43,9 +43,17 @@ class SchedulerOutput(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, num_batches: int = 1, run_ahead: bool = False,
-                 proposer: NgramProposer | None = None, spec_token_budget: int = 0) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_batches: int = 1,
+        run_ahead: bool = False,
+        proposer: NgramProposer | None = None,
+        spec_token_budget: int = 0,
+    ) -> None:
         self.block_manager = block_manager
         self.num_batches = num_batches  # batches in flight at once (the pipeline depth)
         # async scheduling: a decoding sequence may be scheduled again while its previous step runs;
@@ -53,7 +61,9 @@ class Scheduler:
         self.run_ahead = run_ahead
         self.proposer = proposer  # speculative decoding: drafts for decoding sequences (never with run_ahead)
         self.spec_token_budget = spec_token_budget  # see _drafts_per_seq; 0: no limit
-        assert not (run_ahead and proposer), "a step with drafts must be verified before the next is scheduled"
+        assert not (run_ahead and proposer), (
+            "a step with drafts must be verified before the next is scheduled"
+        )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -92,15 +102,26 @@ class Scheduler:
         sequence of max_model_len would not fit them."""
         needed = -(-max_model_len // config.block_size)
         if num_blocks < needed:
-            raise ConfigError(f"KV cache holds {num_blocks} blocks of {config.block_size} tokens, but one sequence "
-                              f"of max_model_len={max_model_len} needs {needed}: raise the KV memory or "
-                              "lower max_model_len")
+            raise ConfigError(
+                f"KV cache holds {num_blocks} blocks of {config.block_size} tokens, but one sequence "
+                f"of max_model_len={max_model_len} needs {needed}: raise the KV memory or "
+                "lower max_model_len"
+            )
         proposer = None
         if config.num_speculative_tokens:
-            proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-        return cls(BlockManager(num_blocks, config.block_size, config.enable_prefix_caching), config.max_num_seqs,
-                   config.max_num_batched_tokens, max_model_len, num_batches=config.pipeline_parallel_size,
-                   run_ahead=config.run_ahead, proposer=proposer, spec_token_budget=config.spec_token_budget)
+            proposer = NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+        return cls(
+            BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len,
+            num_batches=config.pipeline_parallel_size,
+            run_ahead=config.run_ahead,
+            proposer=proposer,
+            spec_token_budget=config.spec_token_budget,
+        )
 
     def unschedule(self, item: ScheduledSeq) -> None:
         """Undoes what schedule() counted in flight for a scheduled sequence that was never sent."""
@@ -132,7 +153,9 @@ class Scheduler:
             num = min(seq.num_uncomputed_tokens, budget)
             if num == 0:
                 continue
-            seq.draft_token_ids = self._drafts(seq, budget, drafts_per_seq) if num == 1 and seq.on_workers else []
+            seq.draft_token_ids = (
+                self._drafts(seq, budget, drafts_per_seq) if num == 1 and seq.on_workers else []
+            )
             num += len(seq.draft_token_ids)
             fits = True
             while fits and not bm.allocate(seq, seq.num_computed_tokens + seq.num_inflight_tokens + num):
@@ -152,8 +175,13 @@ class Scheduler:
             bm.register_full_blocks(seq, seq.num_computed_tokens + seq.num_inflight_tokens + num)
 
         # 2. waiting sequences, first come first served, while nothing had to be preempted
-        while (self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs
-               and len(scheduled) < max_seqs):
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.max_num_seqs
+            and len(scheduled) < max_seqs
+        ):
             seq = self.waiting[0]
             bm.match_prefix(seq)
             num = min(seq.num_uncomputed_tokens, budget)
@@ -205,8 +233,13 @@ class Scheduler:
     def _may_run_ahead(self, seq: Sequence) -> bool:
         """A sequence in flight may be scheduled again only for the token its running step samples,
         and only if that token cannot be its last by length (no step for a token past the end)."""
-        return (self.run_ahead and seq.num_inflight_steps == 1 and seq.num_pending_samples == 1
-                and seq.num_output_tokens + 1 < seq.max_tokens and seq.num_tokens + 1 < self.max_model_len)
+        return (
+            self.run_ahead
+            and seq.num_inflight_steps == 1
+            and seq.num_pending_samples == 1
+            and seq.num_output_tokens + 1 < seq.max_tokens
+            and seq.num_tokens + 1 < self.max_model_len
+        )
 
     def _batch_seq_limit(self) -> int:
         """Sequences one batch may hold: all of them, or with P batches in flight a 1/P share."""

@@ -21,8 +21,15 @@ class SequenceStatus(enum.IntEnum):
 class Sequence:
     """One stream of tokens: the prompt plus what has been sampled so far, and its KV blocks."""
 
-    def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, arrival: int) -> None:
+    def __init__(
+        self,
+        seq_id: int,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        arrival: int,
+    ) -> None:
         self.seq_id = seq_id
         self.index = index  # which of the request's n samples
         self.token_ids = list(prompt_token_ids)
@@ -75,8 +82,15 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens still to schedule, counting those in flight and the samples they will add."""
-        return len(self.token_ids) + self.num_pending_samples - self.num_computed_tokens - self.num_inflight_tokens
+        return (
+            len(self.token_ids)
+            + self.num_pending_samples
+            - self.num_computed_tokens
+            - self.num_inflight_tokens
+        )
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-                f"blocks={len(self.block_ids)}, status={self.status.name})")
+        return (
+            f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_ids)}, status={self.status.name})"
+        )

@@ -72,8 +72,14 @@ class NgramProposer:
         """Whether accepting drafts is an exact comparison: greedy, and nothing that depends on the
         tokens before each position (penalties, min_tokens) or reports on them (logprobs)."""
         p = seq.params
-        return (p.temperature == 0.0 and p.logprobs is None and p.repetition_penalty == 1.0
-                and not p.presence_penalty and not p.frequency_penalty and seq.num_output_tokens >= p.min_tokens)
+        return (
+            p.temperature == 0.0
+            and p.logprobs is None
+            and p.repetition_penalty == 1.0
+            and not p.presence_penalty
+            and not p.frequency_penalty
+            and seq.num_output_tokens >= p.min_tokens
+        )
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """At most min(k, limit) draft tokens to follow the sequence's tokens."""

@@ -18,8 +18,27 @@ if TYPE_CHECKING:
     from asyncengine.output_processor import RequestState
     from asyncengine.scheduler import SchedulerOutput
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class _Labelled:
@@ -59,40 +78,69 @@ class EngineStats:
         self.registry = CollectorRegistry()
         r = self.registry
         self.running = Gauge("asyncengine:num_requests_running", "Sequences in the running set", registry=r)
-        self.waiting = Gauge("asyncengine:num_requests_waiting", "Sequences waiting to be scheduled", registry=r)
-        self.kv_usage = Gauge("asyncengine:kv_cache_usage_perc", "Share of KV blocks in use (0-1)", registry=r)
+        self.waiting = Gauge(
+            "asyncengine:num_requests_waiting", "Sequences waiting to be scheduled", registry=r
+        )
+        self.kv_usage = Gauge(
+            "asyncengine:kv_cache_usage_perc", "Share of KV blocks in use (0-1)", registry=r
+        )
         self.kv_free_blocks = Gauge("asyncengine:kv_cache_free_blocks", "Free KV-cache blocks", registry=r)
         self.prompt_tokens = Counter("asyncengine:prompt_tokens", "Prefill tokens received", registry=r)
         self.generation_tokens = Counter("asyncengine:generation_tokens", "Tokens generated", registry=r)
         self.preemptions = Counter("asyncengine:num_preemptions", "Preemptions by recompute", registry=r)
-        self.request_success = Counter("asyncengine:request_success", "Finished requests", ["finished_reason"],
-                                       registry=r)
-        self.ttft = Histogram("asyncengine:time_to_first_token_seconds", "Time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("asyncengine:inter_token_latency_seconds", "Time between tokens",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("asyncengine:e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS,
-                             registry=r)
+        self.request_success = Counter(
+            "asyncengine:request_success", "Finished requests", ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "asyncengine:time_to_first_token_seconds",
+            "Time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "asyncengine:inter_token_latency_seconds",
+            "Time between tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "asyncengine:e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.steps = Counter("asyncengine:engine_steps", "Steps sent to the workers", registry=r)
-        self.step_bytes = Counter("asyncengine:execute_model_request_bytes", "Bytes of ExecuteModelRequests",
-                                  registry=r)
-        self.draft_tokens = Counter("asyncengine:spec_decode_num_draft_tokens", "Draft tokens proposed",
-                                    registry=r)
-        self.accepted_tokens = Counter("asyncengine:spec_decode_num_accepted_tokens",
-                                       "Draft tokens the model agreed with", registry=r)
+        self.step_bytes = Counter(
+            "asyncengine:execute_model_request_bytes", "Bytes of ExecuteModelRequests", registry=r
+        )
+        self.draft_tokens = Counter(
+            "asyncengine:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r
+        )
+        self.accepted_tokens = Counter(
+            "asyncengine:spec_decode_num_accepted_tokens", "Draft tokens the model agreed with", registry=r
+        )
         self.last_token_time: dict[int, float] = {}
         self.step_latencies: list[float] = []  # engine-observed step round trips (bounded)
 
     def snapshot(self) -> StatsSnapshot:
         """The totals and gauges now (the gauges' functions read the scheduler)."""
+
         def value(metric: Counter | Gauge) -> float:
             return metric.collect()[0].samples[0].value  # a counter's first sample is its _total
 
-        return StatsSnapshot(time.monotonic(), value(self.prompt_tokens), value(self.generation_tokens),
-                             int(value(self.running)), int(value(self.waiting)), value(self.kv_usage))
+        return StatsSnapshot(
+            time.monotonic(),
+            value(self.prompt_tokens),
+            value(self.generation_tokens),
+            int(value(self.running)),
+            int(value(self.waiting)),
+            value(self.kv_usage),
+        )
 
-    def bind_scheduler(self, running: Callable[[], float], waiting: Callable[[], float],
-                       usage: Callable[[], float], free: Callable[[], float]) -> None:
+    def bind_scheduler(
+        self,
+        running: Callable[[], float],
+        waiting: Callable[[], float],
+        usage: Callable[[], float],
+        free: Callable[[], float],
+    ) -> None:
         self.running.set_function(running)
         self.waiting.set_function(waiting)
         self.kv_usage.set_function(usage)

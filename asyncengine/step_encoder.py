@@ -66,14 +66,31 @@ class StepEncoder:
             seq, num, samples = item
             copy = seq.workers
             if copy is None:
-                new_seqs.append(NewSeq(seq.seq_id, pack_ids(seq.token_ids), seq.num_prompt_tokens,
-                                       list(seq.block_ids), seq.num_computed_tokens, num, self.options(seq)))
+                new_seqs.append(
+                    NewSeq(
+                        seq.seq_id,
+                        pack_ids(seq.token_ids),
+                        seq.num_prompt_tokens,
+                        list(seq.block_ids),
+                        seq.num_computed_tokens,
+                        num,
+                        self.options(seq),
+                    )
+                )
                 new_items.append(item)
                 seq.workers = copy = WorkerCopy()
             else:
                 drafts = seq.draft_token_ids
-                cached.append(CachedSeq(seq.seq_id, num, seq.token_ids[copy.num_tokens :] + drafts,
-                                        seq.block_ids[copy.num_blocks :], copy.num_rejected, len(drafts)))
+                cached.append(
+                    CachedSeq(
+                        seq.seq_id,
+                        num,
+                        seq.token_ids[copy.num_tokens :] + drafts,
+                        seq.block_ids[copy.num_blocks :],
+                        copy.num_rejected,
+                        len(drafts),
+                    )
+                )
                 copy.num_rejected = 0  # sent; set again once this step's drafts are verified
                 cached_items.append(item)
             copy.num_tokens = max(copy.num_tokens, seq.num_tokens)
@@ -89,10 +106,16 @@ class StepEncoder:
         if p.ignore_eos:
             banned = sorted(set(p.stop_token_ids)) if p.min_tokens else []
         return SamplingOptions(
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            min_p=p.min_p,
             seed=None if p.seed is None else (p.seed + seq.index) % 2**63,
-            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty, logprobs=p.logprobs, min_tokens=p.min_tokens,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            logprobs=p.logprobs,
+            min_tokens=p.min_tokens,
             min_tokens_banned_ids=banned,
         )
 
@@ -121,7 +144,14 @@ class StepEncoder:
     def without(step: EncodedStep, drop: set[int]) -> EncodedStep:
         """The step without the sequences whose ids are in `drop`."""
         r = step.request
-        request = ExecuteModelRequest(r.step_id, [s for s in r.new_seqs if s.seq_id not in drop],
-                                      [s for s in r.cached_seqs if s.seq_id not in drop], r.finished_seq_ids)
-        return EncodedStep(request, [i for i in step.new_items if i.seq.seq_id not in drop],
-                           [i for i in step.cached_items if i.seq.seq_id not in drop])
+        request = ExecuteModelRequest(
+            r.step_id,
+            [s for s in r.new_seqs if s.seq_id not in drop],
+            [s for s in r.cached_seqs if s.seq_id not in drop],
+            r.finished_seq_ids,
+        )
+        return EncodedStep(
+            request,
+            [i for i in step.new_items if i.seq.seq_id not in drop],
+            [i for i in step.cached_items if i.seq.seq_id not in drop],
+        )

@@ -27,7 +27,15 @@ logger = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 # PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES (transformers 5)
-SPECIAL_TOKENS_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_TOKENS_ATTRIBUTES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 # model types whose generic tokenizer_class AutoTokenizer honours (qwen2 is on its list of hubs with a
 # wrong class and gets Qwen2Tokenizer: a class of its own, so transformers loads it)
@@ -114,7 +122,9 @@ def _fast_path_blocker(files: dict[str, Any]) -> str | None:
         return f"{CHAT_TEMPLATE_DIR}/ (named chat templates)"
     if tc.get("chat_template") is not None and not isinstance(tc["chat_template"], str):
         return "named chat templates"
-    if "added_tokens_decoder" not in tc and any((d / f).exists() for f in ("special_tokens_map.json", "added_tokens.json")):
+    if "added_tokens_decoder" not in tc and any(
+        (d / f).exists() for f in ("special_tokens_map.json", "added_tokens.json")
+    ):
         return "legacy special_tokens_map.json / added_tokens.json"
     for key, value in tc.items():
         if key in SPECIAL_TOKENS_ATTRIBUTES:
@@ -123,8 +133,9 @@ def _fast_path_blocker(files: dict[str, Any]) -> str | None:
         elif key.endswith("_token") and isinstance(value, (str, dict)):
             return f"model-specific special token {key}"
     extra = tc.get("extra_special_tokens") or tc.get("additional_special_tokens")
-    if extra is not None and not (isinstance(extra, list)
-                                  and all(isinstance(t, str) or _is_added_token_dict(t) for t in extra)):
+    if extra is not None and not (
+        isinstance(extra, list) and all(isinstance(t, str) or _is_added_token_dict(t) for t in extra)
+    ):
         return "extra_special_tokens is not a list of tokens"
     raw = json.loads(files["tokenizer_json"].read_text(encoding="utf-8"))
     if raw.get("truncation") is not None or raw.get("padding") is not None:
@@ -135,11 +146,16 @@ def _fast_path_blocker(files: dict[str, Any]) -> str | None:
 
 
 def _is_added_token_dict(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("__type") == "AddedToken" and isinstance(value.get("content"), str)
+    return (
+        isinstance(value, dict)
+        and value.get("__type") == "AddedToken"
+        and isinstance(value.get("content"), str)
+    )
 
 
 def _added_token(value: Any) -> Any:
-    """A tokenizer_config.json token (a string or an {"__type": "AddedToken", ...} dict) as transformers holds it."""
+    """A tokenizer_config.json token (a string or an {"__type": "AddedToken", ...} dict) as transformers
+    holds it."""
     from tokenizers import AddedToken
 
     if isinstance(value, dict):
@@ -172,7 +188,9 @@ class FastTokenizer:
             decoder = {int(i): AddedToken(**t) for i, t in tc["added_tokens_decoder"].items()}
         else:
             raw = json.loads(files["tokenizer_json"].read_text(encoding="utf-8"))
-            decoder = {t["id"]: AddedToken(**{k: v for k, v in t.items() if k != "id"}) for t in raw["added_tokens"]}
+            decoder = {
+                t["id"]: AddedToken(**{k: v for k, v in t.items() if k != "id"}) for t in raw["added_tokens"]
+            }
         by_content = {str(t): t for t in decoder.values()}
         self._special: dict[str, Any] = {}  # named special tokens, as strings or AddedTokens
         for key in SPECIAL_TOKENS_ATTRIBUTES:
@@ -185,7 +203,9 @@ class FastTokenizer:
         # TokenizersBackend.__init__: every added_tokens_decoder entry is (re-)added, then the special
         # tokens the vocabulary lacks; a string becomes a special AddedToken
         to_add = [t for _, t in sorted(decoder.items(), key=lambda item: item[0])]
-        encoder = [t.content for _, t in sorted(tok.get_added_tokens_decoder().items())] + [str(t) for t in to_add]
+        encoder = [t.content for _, t in sorted(tok.get_added_tokens_decoder().items())] + [
+            str(t) for t in to_add
+        ]
         for value in [*self._special.values(), *self._extra_special]:
             if str(value) not in encoder and value not in to_add:
                 to_add.append(value)
@@ -202,11 +222,13 @@ class FastTokenizer:
         tok.encode_special_tokens = False  # split_special_tokens (a blocker when set)
 
         self.clean_up_tokenization_spaces = bool(tc.get("clean_up_tokenization_spaces", False))
-        self._cleanup_bpe = bool(tc.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
-                                        False))
+        self._cleanup_bpe = bool(
+            tc.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+        )
         template_file: Path = files["chat_template_file"]
-        self.chat_template: str | None = (template_file.read_text(encoding="utf-8") if template_file.exists()
-                                          else tc.get("chat_template"))
+        self.chat_template: str | None = (
+            template_file.read_text(encoding="utf-8") if template_file.exists() else tc.get("chat_template")
+        )
         self.model_max_length = tc.get("model_max_length") or int(1e30)
 
     # -- special tokens ---------------------------------------------------------------------------
@@ -294,43 +316,85 @@ class FastTokenizer:
             return self._transformers().encode(text, add_special_tokens=add_special_tokens, **kwargs)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: Any, skip_special_tokens: bool = False,
-               clean_up_tokenization_spaces: bool | None = None, **kwargs: Any) -> Any:
+    def decode(
+        self,
+        token_ids: Any,
+        skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
         if kwargs or not isinstance(token_ids, (int, list, tuple)):  # tensors, arrays, dicts
-            return self._transformers().decode(token_ids, skip_special_tokens=skip_special_tokens,
-                                               clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
+            return self._transformers().decode(
+                token_ids,
+                skip_special_tokens=skip_special_tokens,
+                clean_up_tokenization_spaces=clean_up_tokenization_spaces,
+                **kwargs,
+            )
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         if token_ids and isinstance(token_ids[0], (list, tuple)):
-            return [self.decode(list(ids), skip_special_tokens, clean_up_tokenization_spaces) for ids in token_ids]
+            return [
+                self.decode(list(ids), skip_special_tokens, clean_up_tokenization_spaces) for ids in token_ids
+            ]
         text = self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-        clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
+        clean = (
+            self.clean_up_tokenization_spaces
+            if clean_up_tokenization_spaces is None
+            else clean_up_tokenization_spaces
+        )
         # transformers skips the clean-up for BPE models (it would strip real spaces) unless told otherwise
         if clean and (type(self._tokenizer.model).__name__ != "BPE" or self._cleanup_bpe):
             text = clean_up_tokenization(text)
         return text
 
-    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False,
-                     clean_up_tokenization_spaces: bool | None = None) -> list[str]:
+    def batch_decode(
+        self,
+        sequences: Sequence[Sequence[int]],
+        skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
+    ) -> list[str]:
         return [self.decode(list(s), skip_special_tokens, clean_up_tokenization_spaces) for s in sequences]
 
     # -- chat -------------------------------------------------------------------------------------
-    def apply_chat_template(self, conversation: Any, add_generation_prompt: bool = False, tokenize: bool = True,
-                            **kwargs: Any) -> Any:
+    def apply_chat_template(
+        self, conversation: Any, add_generation_prompt: bool = False, tokenize: bool = True, **kwargs: Any
+    ) -> Any:
         """Renders one conversation as transformers does (same Jinja environment, special tokens and
         arguments). tokenize=True returns the token ids when return_dict=False is given; otherwise
         (a BatchEncoding), and for tools, documents, batches, named templates or
         continue_final_message, transformers' own method runs."""
-        simple = (isinstance(conversation, (list, tuple)) and conversation
-                  and all(isinstance(m, dict) for m in conversation) and (not tokenize or kwargs.get("return_dict") is False))
-        hf_args = ("tools", "documents", "chat_template", "continue_final_message", "padding", "truncation",
-                   "max_length", "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs")
-        if not simple or any(kwargs.get(a) not in (None, False) for a in hf_args) or self.chat_template is None:
-            return self._transformers().apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                            tokenize=tokenize, **kwargs)
+        simple = (
+            isinstance(conversation, (list, tuple))
+            and conversation
+            and all(isinstance(m, dict) for m in conversation)
+            and (not tokenize or kwargs.get("return_dict") is False)
+        )
+        hf_args = (
+            "tools",
+            "documents",
+            "chat_template",
+            "continue_final_message",
+            "padding",
+            "truncation",
+            "max_length",
+            "return_tensors",
+            "return_assistant_tokens_mask",
+            "tokenizer_kwargs",
+        )
+        if (
+            not simple
+            or any(kwargs.get(a) not in (None, False) for a in hf_args)
+            or self.chat_template is None
+        ):
+            return self._transformers().apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kwargs
+            )
         template_kwargs = {k: v for k, v in kwargs.items() if k not in (*hf_args, "return_dict")}
         text = _compiled_template(self.chat_template).render(
-            messages=list(conversation), tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            messages=list(conversation),
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
             **{**self.special_tokens_map, **template_kwargs},
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -339,8 +403,10 @@ class FastTokenizer:
     def _transformers(self) -> Any:
         with self._hf_lock:
             if self._hf is None:
-                logger.info("loading transformers' tokenizer for %s (a method FastTokenizer leaves to it)",
-                            self.name_or_path)
+                logger.info(
+                    "loading transformers' tokenizer for %s (a method FastTokenizer leaves to it)",
+                    self.name_or_path,
+                )
                 self._hf = load_hf_tokenizer(self.name_or_path)
             return self._hf
 
@@ -358,9 +424,18 @@ class FastTokenizer:
 
 def clean_up_tokenization(text: str) -> str:
     """PreTrainedTokenizerBase.clean_up_tokenization."""
-    return (text.replace(" .", ".").replace(" ?", "?").replace(" !", "!").replace(" ,", ",").replace(" ' ", "'")
-            .replace(" n't", "n't").replace(" 'm", "'m").replace(" 's", "'s").replace(" 've", "'ve")
-            .replace(" 're", "'re"))
+    return (
+        text.replace(" .", ".")
+        .replace(" ?", "?")
+        .replace(" !", "!")
+        .replace(" ,", ",")
+        .replace(" ' ", "'")
+        .replace(" n't", "n't")
+        .replace(" 'm", "'m")
+        .replace(" 's", "'s")
+        .replace(" 've", "'ve")
+        .replace(" 're", "'re")
+    )
 
 
 @lru_cache
@@ -391,15 +466,23 @@ def _compiled_template(template: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: Any = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     def strftime_now(format: str) -> str:
         return datetime.now().strftime(format)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

@@ -35,12 +35,33 @@ VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 # hidden 8, two layers (so P=2 has a layer per stage), vocab 256 -> a step's model math is a few
 # microseconds, the control plane dominates.
 MODEL_SPECS: dict[str, dict[str, int]] = {
-    "null": dict(hidden_size=8, num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
-                 intermediate_size=16, vocab_size=256, max_position_embeddings=4096),
-    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                 intermediate_size=688, vocab_size=32000, max_position_embeddings=1024),
-    "medium": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
-                   intermediate_size=2048, vocab_size=32000, max_position_embeddings=1024),
+    "null": dict(
+        hidden_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        intermediate_size=16,
+        vocab_size=256,
+        max_position_embeddings=4096,
+    ),
+    "tiny": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=688,
+        vocab_size=32000,
+        max_position_embeddings=1024,
+    ),
+    "medium": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        intermediate_size=2048,
+        vocab_size=32000,
+        max_position_embeddings=1024,
+    ),
 }
 
 
@@ -56,8 +77,9 @@ def build_model(name: str, root: Path = MODELS) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**spec, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                                   rms_norm_eps=1e-5)
+    cfg = transformers.LlamaConfig(
+        **spec, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5
+    )
     cfg.architectures = ["LlamaForCausalLM"]
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -117,9 +139,16 @@ def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
     return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
 
 
-def make_workload(kind: str, n: int, seed: int = 0, vocab: int = 32000, prompt_len: tuple[int, int] = (16, 512),
-                  output_len: tuple[int, int] = (16, 256), prefix_len: int = 256,
-                  shared_frac: float = 0.8) -> Workload:
+def make_workload(
+    kind: str,
+    n: int,
+    seed: int = 0,
+    vocab: int = 32000,
+    prompt_len: tuple[int, int] = (16, 512),
+    output_len: tuple[int, int] = (16, 256),
+    prefix_len: int = 256,
+    shared_frac: float = 0.8,
+) -> Workload:
     """A seeded workload. Prompt lengths are log-uniform in prompt_len (many short, some long), output
     lengths uniform in output_len. "shared": shared_frac of the requests start with the same prefix_len
     tokens followed by their own (log-uniform, 16..256) suffix; the rest are like "mixed". Token ids
@@ -239,8 +268,10 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 2
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"
     sep = "| " + " | ".join("-" * w for w in widths) + " |"
-    body = ["| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
-            for r in cells]
+    body = [
+        "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
+        for r in cells
+    ]
     return "\n".join([line, sep, *body])
 
 
@@ -250,8 +281,14 @@ def write_json(path: Path, data: Any) -> Path:
     return path
 
 
-def bar_plot(path: Path, title: str, groups: Sequence[str], series: dict[str, Sequence[float | None]],
-             ylabel: str, log: bool = False) -> Path | None:
+def bar_plot(
+    path: Path,
+    title: str,
+    groups: Sequence[str],
+    series: dict[str, Sequence[float | None]],
+    ylabel: str,
+    log: bool = False,
+) -> Path | None:
     """Grouped bars: one group per label in `groups`, one bar per series. Returns None without matplotlib."""
     try:
         import matplotlib
@@ -330,8 +367,9 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def started(cmd: Sequence[str], env: dict[str, str] | None = None, log: Path | None = None,
-            cwd: Path | None = None) -> Iterator[subprocess.Popen]:
+def started(
+    cmd: Sequence[str], env: dict[str, str] | None = None, log: Path | None = None, cwd: Path | None = None
+) -> Iterator[subprocess.Popen]:
     """Starts cmd in its own process group (stdout+stderr to `log` or a pipe) and kills the whole group
     on exit, whatever happens inside the block."""
     out: Any = subprocess.PIPE
@@ -340,8 +378,15 @@ def started(cmd: Sequence[str], env: dict[str, str] | None = None, log: Path | N
         log.parent.mkdir(parents=True, exist_ok=True)
         fh = open(log, "wb")  # noqa: SIM115 (closed below)
         out = fh
-    proc = subprocess.Popen(list(cmd), env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, cwd=cwd)
+    proc = subprocess.Popen(
+        list(cmd),
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        cwd=cwd,
+    )
     try:
         yield proc
     finally:
@@ -350,7 +395,9 @@ def started(cmd: Sequence[str], env: dict[str, str] | None = None, log: Path | N
             fh.close()
 
 
-def wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float, log: Path | None = None) -> tuple[str, float]:
+def wait_for_line(
+    proc: subprocess.Popen, needle: str, timeout_s: float, log: Path | None = None
+) -> tuple[str, float]:
     """Waits until `needle` appears in the process output (a pipe, or the log file it writes);
     returns (line, monotonic time seen). Raises TimeoutError / RuntimeError (process exited)."""
     deadline = time.monotonic() + timeout_s
@@ -371,7 +418,9 @@ def wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float, log: Pa
             elif proc.poll() is not None:
                 break
         raise (TimeoutError if proc.poll() is None else RuntimeError)(
-            f"{needle!r} not seen (exit code {proc.poll()}); output tail:\n{buf.decode(errors='replace')[-2000:]}")
+            f"{needle!r} not seen (exit code {proc.poll()}); output tail:\n"
+            f"{buf.decode(errors='replace')[-2000:]}"
+        )
     pos = 0
     text = ""
     while time.monotonic() < deadline:
@@ -388,7 +437,8 @@ def wait_for_line(proc: subprocess.Popen, needle: str, timeout_s: float, log: Pa
             break
         time.sleep(0.1)
     raise (TimeoutError if proc.poll() is None else RuntimeError)(
-        f"{needle!r} not seen in {log} (exit code {proc.poll()}); tail:\n{text[-2000:]}")
+        f"{needle!r} not seen in {log} (exit code {proc.poll()}); tail:\n{text[-2000:]}"
+    )
 
 
 def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> float:
@@ -427,14 +477,22 @@ class StreamResult:
         return self.error is None and self.first is not None
 
 
-async def http_stream(client: Any, base_url: str, model: str, prompt_ids: list[int], max_tokens: int,
-                      timeout_s: float) -> StreamResult:
+async def http_stream(
+    client: Any, base_url: str, model: str, prompt_ids: list[int], max_tokens: int, timeout_s: float
+) -> StreamResult:
     """POST /v1/completions with stream=true (greedy, EOS ignored) and time the SSE chunks."""
     import asyncio
 
-    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}  # vLLM's too: token ids in every chunk, for models without a tokenizer
+    body = {
+        "model": model,
+        "prompt": prompt_ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }  # vLLM's too: token ids in every chunk, for models without a tokenizer
     res = StreamResult(sent=time.perf_counter(), events=[])
 
     async def go() -> None:

@@ -66,8 +66,12 @@ def codec_timings(batch: int, reps: int) -> dict[str, float]:
     from asyncengine.transport.wire import CachedSeq, ExecuteModelRequest, ModelOutput, pack_ids
 
     ec, wc = engine_codec(), worker_codec()
-    req = ExecuteModelRequest(12345, [], [CachedSeq(1000 + i, 1, [17 + i % 200], [5000 + i] if i % 16 == 0 else [])
-                                          for i in range(batch)], [])
+    req = ExecuteModelRequest(
+        12345,
+        [],
+        [CachedSeq(1000 + i, 1, [17 + i % 200], [5000 + i] if i % 16 == 0 else []) for i in range(batch)],
+        [],
+    )
     out = ModelOutput(12345, pack_ids([17 + i % 200 for i in range(batch)]), [], 1234)
 
     def best(fn: Any) -> float:  # median of `reps` runs, µs
@@ -79,9 +83,14 @@ def codec_timings(batch: int, reps: int) -> dict[str, float]:
         return median(ts)
 
     data, odata = ec.encode(req), wc.encode(out)
-    return {"req_bytes": len(data), "req_encode_us": best(lambda: ec.encode(req)),
-            "req_decode_us": best(lambda: ec.decode(data)), "out_bytes": len(odata),
-            "out_encode_us": best(lambda: wc.encode(out)), "out_decode_us": best(lambda: wc.decode(odata))}
+    return {
+        "req_bytes": len(data),
+        "req_encode_us": best(lambda: ec.encode(req)),
+        "req_decode_us": best(lambda: ec.decode(data)),
+        "out_bytes": len(odata),
+        "out_encode_us": best(lambda: wc.encode(out)),
+        "out_decode_us": best(lambda: wc.decode(odata)),
+    }
 
 
 class Probe:
@@ -98,8 +107,12 @@ class Probe:
         self._wrap(engine)
 
     def _wrap(self, engine: Any) -> None:
-        sched, send, process, recv = (engine.scheduler.schedule, engine._send, engine._process,
-                                      engine.executor.recv_output)
+        sched, send, process, recv = (
+            engine.scheduler.schedule,
+            engine._send,
+            engine._process,
+            engine.executor.recv_output,
+        )
         executor = engine.executor
 
         def schedule() -> Any:
@@ -114,7 +127,10 @@ class Probe:
             send(s)
             self.send_us.append((time.perf_counter() - t0) * 1e6)
             step_id = engine._in_flight[-1].step_id
-            self.step_size[step_id] = (len(s.scheduled), all(x[1] == 1 for x in s.scheduled))  # (seq, num_tokens, ...)
+            self.step_size[step_id] = (
+                len(s.scheduled),
+                all(x[1] == 1 for x in s.scheduled),
+            )  # (seq, num_tokens, ...)
             self.step_bytes[step_id] = executor.last_encode_bytes
 
         def _process(output: Any) -> None:
@@ -135,9 +151,12 @@ class Probe:
 
 def py_spy(pid: int, out: Path) -> subprocess.Popen | None:
     try:
-        return subprocess.Popen(["py-spy", "record", "-p", str(pid), "-o", str(out), "-f", "raw", "-r", "250",
-                                 "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        return subprocess.Popen(
+            ["py-spy", "record", "-p", str(pid), "-o", str(out), "-f", "raw", "-r", "250", "--nonblocking"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     except FileNotFoundError:
         print("py-spy not installed (pip install py-spy): no profile", file=sys.stderr)
         return None
@@ -157,15 +176,24 @@ def top_frames(raw: Path, n: int = 12) -> list[tuple[float, str]]:
     return [(v / total, k) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:n]] if total else []
 
 
-async def run_one(model: Path, pp: int, batch: int, steps: int, args: argparse.Namespace,
-                  profile: bool) -> dict[str, Any]:
+async def run_one(
+    model: Path, pp: int, batch: int, steps: int, args: argparse.Namespace, profile: bool
+) -> dict[str, Any]:
     from asyncengine import AsyncEngine, EngineConfig, SamplingParams
 
     blocks_per_seq = -(-(PROMPT_LEN + steps + 8) // 16)
-    config = EngineConfig(model=str(model), dtype="float32", pipeline_parallel_size=pp, num_threads=1,
-                          max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, batch * PROMPT_LEN),
-                          num_kv_blocks=batch * blocks_per_seq + 64, enable_prefix_caching=False,
-                          max_model_len=PROMPT_LEN + steps + 64, step_timeout=30.0)
+    config = EngineConfig(
+        model=str(model),
+        dtype="float32",
+        pipeline_parallel_size=pp,
+        num_threads=1,
+        max_num_seqs=max(batch, 1),
+        max_num_batched_tokens=max(2048, batch * PROMPT_LEN),
+        num_kv_blocks=batch * blocks_per_seq + 64,
+        enable_prefix_caching=False,
+        max_model_len=PROMPT_LEN + steps + 64,
+        step_timeout=30.0,
+    )
     engine = await AsyncEngine.start(config)
     profs: list[tuple[str, subprocess.Popen, Path]] = []
     try:
@@ -173,8 +201,10 @@ async def run_one(model: Path, pp: int, batch: int, steps: int, args: argparse.N
         await asyncio.gather(*[_drain(engine, [3 + i] * PROMPT_LEN, warm) for i in range(min(batch, 4))])
         probe = Probe(engine)
         if profile:
-            for name, pid in [("engine", os.getpid()), *[(f"worker{i}", p.pid)
-                                                          for i, p in enumerate(engine.executor.procs)]]:
+            for name, pid in [
+                ("engine", os.getpid()),
+                *[(f"worker{i}", p.pid) for i, p in enumerate(engine.executor.procs)],
+            ]:
                 f = OUT / f"control_plane_prof_{name}_p{pp}_b{batch}.txt"
                 proc = py_spy(pid, f)
                 if proc is not None:
@@ -182,8 +212,15 @@ async def run_one(model: Path, pp: int, batch: int, steps: int, args: argparse.N
             await asyncio.sleep(1.0)  # py-spy attaches
         params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
         t0 = time.perf_counter()
-        await asyncio.wait_for(asyncio.gather(*[_drain(engine, [(7 * i + j) % 250 + 3 for j in range(PROMPT_LEN)],
-                                                       params) for i in range(batch)]), args.timeout)
+        await asyncio.wait_for(
+            asyncio.gather(
+                *[
+                    _drain(engine, [(7 * i + j) % 250 + 3 for j in range(PROMPT_LEN)], params)
+                    for i in range(batch)
+                ]
+            ),
+            args.timeout,
+        )
         wall = time.perf_counter() - t0
     finally:
         for _, proc, _ in profs:
@@ -209,14 +246,25 @@ async def run_one(model: Path, pp: int, batch: int, steps: int, args: argparse.N
     skip = min(3, len(intervals) // 4)
     intervals, gaps, execs, nbytes = intervals[skip:], gaps[skip:], execs[skip:], nbytes[skip:]
     med = median(intervals)
-    res = {"pp": pp, "batch": batch, "steps": steps, "wall_s": wall, "decode_steps": len(intervals),
-           "steps_per_s": 1e6 / med if intervals else None,
-           "tok_per_s": per_batch * 1e6 / med if intervals else None,
-           "interval_us_p50": med, "interval_us_p90": percentile(intervals, 90),
-           "execute_us_p50": median(execs), "idle_gap_us_p50": median(gaps), "idle_gap_us_p90": percentile(gaps, 90),
-           "idle_share": median(gaps) / med if intervals else None,
-           "schedule_us_p50": median(probe.sched_us), "send_us_p50": median(probe.send_us),
-           "process_us_p50": median(probe.process_us), "req_bytes_p50": median(nbytes)}
+    res = {
+        "pp": pp,
+        "batch": batch,
+        "steps": steps,
+        "wall_s": wall,
+        "decode_steps": len(intervals),
+        "steps_per_s": 1e6 / med if intervals else None,
+        "tok_per_s": per_batch * 1e6 / med if intervals else None,
+        "interval_us_p50": med,
+        "interval_us_p90": percentile(intervals, 90),
+        "execute_us_p50": median(execs),
+        "idle_gap_us_p50": median(gaps),
+        "idle_gap_us_p90": percentile(gaps, 90),
+        "idle_share": median(gaps) / med if intervals else None,
+        "schedule_us_p50": median(probe.sched_us),
+        "send_us_p50": median(probe.send_us),
+        "process_us_p50": median(probe.process_us),
+        "req_bytes_p50": median(nbytes),
+    }
     if profs:
         res["profiles"] = {name: [(round(s, 3), k) for s, k in top_frames(f)] for name, _, f in profs}
     return res
@@ -232,7 +280,9 @@ async def _drain(engine: Any, prompt: list[int], params: Any) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
-    p.add_argument("--pp", type=int, nargs="+", default=[1, 2], help="pipeline sizes (P=2 shares the 2 cores)")
+    p.add_argument(
+        "--pp", type=int, nargs="+", default=[1, 2], help="pipeline sizes (P=2 shares the 2 cores)"
+    )
     p.add_argument("--steps", type=int, default=300, help="decode steps per run")
     p.add_argument("--codec-reps", type=int, default=2000)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
@@ -248,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{info0['date_utc']}  {load_line(info0)}", file=sys.stderr)
     try:
         import uvloop
+
         runner: Any = uvloop.run
     except ImportError:
         runner = asyncio.run
@@ -256,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(pp, b) for pp in args.pp for b in args.batches if b >= pp]
     results = []
     if args.py_spy:
-        runs.append((1, max(args.batches)))  # an extra, profiled run: py-spy perturbs it, so it is not in the table
+        runs.append(
+            (1, max(args.batches))
+        )  # an extra, profiled run: py-spy perturbs it, so it is not in the table
     profiled: dict[str, Any] | None = None
     for k, (pp, b) in enumerate(tqdm(runs, desc="control plane", unit="run")):
         profile = args.py_spy and k == len(runs) - 1
@@ -271,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
     info1 = machine_info()
 
-    print(f"\nnull model (hidden 8, 2 layers, vocab 256), {args.steps} decode steps, 1 torch thread per worker")
+    print(
+        f"\nnull model (hidden 8, 2 layers, vocab 256), {args.steps} decode steps, 1 torch thread per worker"
+    )
     print(f"start: {load_line(info0)}\nend:   {load_line(info1)}\n")
     b1 = next((r for r in results if r.get("batch") == 1 and r.get("pp") == 1 and "error" not in r), None)
     rows = []
@@ -279,35 +334,106 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             rows.append([f"P={r['pp']} B={r['batch']}", r["error"][:40]] + [None] * 11)
             continue
-        rows.append([f"P={r['pp']} B={r['batch']}", r["steps_per_s"], r["tok_per_s"],
-                     r["tok_per_s"] / b1["tok_per_s"] if b1 else None, r["interval_us_p50"], r["execute_us_p50"],
-                     r["idle_gap_us_p50"], r["idle_gap_us_p90"], 100 * r["idle_share"], r["schedule_us_p50"],
-                     r["send_us_p50"], r["process_us_p50"], r["req_bytes_p50"]])
-    print(table(["config", "steps/s", "tok/s", "tok/s ÷ P=1 B=1", "step µs p50", "worker execute µs", "idle gap µs p50",
-                 "idle gap µs p90", "idle % of step", "schedule µs", "_send µs", "_process µs", "req bytes"], rows, 1))
+        rows.append(
+            [
+                f"P={r['pp']} B={r['batch']}",
+                r["steps_per_s"],
+                r["tok_per_s"],
+                r["tok_per_s"] / b1["tok_per_s"] if b1 else None,
+                r["interval_us_p50"],
+                r["execute_us_p50"],
+                r["idle_gap_us_p50"],
+                r["idle_gap_us_p90"],
+                100 * r["idle_share"],
+                r["schedule_us_p50"],
+                r["send_us_p50"],
+                r["process_us_p50"],
+                r["req_bytes_p50"],
+            ]
+        )
+    print(
+        table(
+            [
+                "config",
+                "steps/s",
+                "tok/s",
+                "tok/s ÷ P=1 B=1",
+                "step µs p50",
+                "worker execute µs",
+                "idle gap µs p50",
+                "idle gap µs p90",
+                "idle % of step",
+                "schedule µs",
+                "_send µs",
+                "_process µs",
+                "req bytes",
+            ],
+            rows,
+            1,
+        )
+    )
     print("\nin-process codec (engine_codec / worker_codec), one decode step")
-    print(table(["batch", "ExecuteModelRequest bytes", "encode µs", "decode µs", "ModelOutput bytes",
-                 "encode µs", "decode µs"],
-                [[b, c["req_bytes"], c["req_encode_us"], c["req_decode_us"], c["out_bytes"], c["out_encode_us"],
-                  c["out_decode_us"]] for b, c in codec.items()], 1))
+    print(
+        table(
+            [
+                "batch",
+                "ExecuteModelRequest bytes",
+                "encode µs",
+                "decode µs",
+                "ModelOutput bytes",
+                "encode µs",
+                "decode µs",
+            ],
+            [
+                [
+                    b,
+                    c["req_bytes"],
+                    c["req_encode_us"],
+                    c["req_decode_us"],
+                    c["out_bytes"],
+                    c["out_encode_us"],
+                    c["out_decode_us"],
+                ]
+                for b, c in codec.items()
+            ],
+            1,
+        )
+    )
     if profiled is not None and "error" not in profiled:
-        print(f"\nprofiled extra run P=1 B={profiled['batch']} (py-spy running, so slower): step µs p50 "
-              f"{profiled['interval_us_p50']:.0f}, _send µs {profiled['send_us_p50']:.0f}, _process µs "
-              f"{profiled['process_us_p50']:.0f}, worker execute µs {profiled['execute_us_p50']:.0f}")
+        print(
+            f"\nprofiled extra run P=1 B={profiled['batch']} (py-spy running, so slower): step µs p50 "
+            f"{profiled['interval_us_p50']:.0f}, _send µs {profiled['send_us_p50']:.0f}, _process µs "
+            f"{profiled['process_us_p50']:.0f}, worker execute µs {profiled['execute_us_p50']:.0f}"
+        )
         for name, frames in profiled.get("profiles", {}).items():
             print(f"py-spy self time, {name} (share of non-idle samples):")
             for share, frame in frames:
                 print(f"  {share:6.1%}  {frame[:120]}")
-    write_json(args.out, {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                          "machine_start": info0, "machine_end": info1, "codec": codec, "results": results,
-                          "profiled_run": profiled})
+    write_json(
+        args.out,
+        {
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "machine_start": info0,
+            "machine_end": info1,
+            "codec": codec,
+            "results": results,
+            "profiled_run": profiled,
+        },
+    )
     ok = [r for r in results if "error" not in r]
-    png = bar_plot(args.out.with_suffix(".png"), f"null-model step time breakdown (load {info0['loadavg'][0]:.1f})",
-                   [f"P={r['pp']} B={r['batch']}" for r in ok],
-                   {"worker execute µs": [r["execute_us_p50"] for r in ok],
-                    "idle gap µs": [r["idle_gap_us_p50"] for r in ok],
-                    "engine _send µs": [r["send_us_p50"] for r in ok],
-                    "engine _process µs": [r["process_us_p50"] for r in ok]}, "µs per step (median)", log=True)
+    png = bar_plot(
+        args.out.with_suffix(".png"),
+        f"null-model step time breakdown (load {info0['loadavg'][0]:.1f})",
+        [f"P={r['pp']} B={r['batch']}" for r in ok],
+        {
+            "worker execute µs": [r["execute_us_p50"] for r in ok],
+            "idle gap µs": [r["idle_gap_us_p50"] for r in ok],
+            "engine _send µs": [r["send_us_p50"] for r in ok],
+            "engine _process µs": [r["process_us_p50"] for r in ok],
+        },
+        "µs per step (median)",
+        log=True,
+    )
     print(f"wrote {args.out}" + (f" and {png}" if png else ""))
     faulthandler.cancel_dump_traceback_later()
     return 0

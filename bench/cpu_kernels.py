@@ -15,7 +15,8 @@ Rows (shapes of a decode step of the "medium" bench model: hidden 768, 12 heads 
   come from memory as in a step) at M = 1 ... 2048, the AMX kernel (cpu/amx.py) vs oneDNN-packed
   weights; "speed" is oneDNN's time over the AMX kernel's. Needs an AMX CPU.
 * element-wise: the fused C ops (cpu/ops.py) vs the torch code they replace; the KV-cache write
-  (cpu_ops.write_kv vs index_copy_) and the sampler's greedy pick (cpu_ops.argmax_rows on the logits as they are vs argmax).
+  (cpu_ops.write_kv vs index_copy_) and the sampler's greedy pick (cpu_ops.argmax_rows on the logits \
+as they are vs argmax).
 * memory: torch.sum over 1 GiB, the streaming-read rate the attention rows' GB/s compare to.
 """
 
@@ -77,33 +78,67 @@ def attention_rows(dtype: torch.dtype, layers: int, repeat: int) -> list[list[An
         k = -(-n // bs)
         tables[s, :k] = torch.tensor(perm[i : i + k])
         i += k
-    caches = [(torch.randn(nblk, bs, heads, head_dim, dtype=dtype), torch.randn(nblk, bs, heads, head_dim, dtype=dtype))
-              for _ in range(layers)]
+    caches = [
+        (
+            torch.randn(nblk, bs, heads, head_dim, dtype=dtype),
+            torch.randn(nblk, bs, heads, head_dim, dtype=dtype),
+        )
+        for _ in range(layers)
+    ]
     q = torch.randn(batch, heads, head_dim, dtype=dtype)
     k = torch.zeros(batch, heads, head_dim, dtype=dtype)
-    meta = AttentionMetadata(torch.zeros(batch, dtype=torch.long), torch.arange(batch + 1, dtype=torch.int32),
-                             torch.tensor(lens, dtype=torch.int32), tables, [1] * batch, lens, 1, max(lens))
+    meta = AttentionMetadata(
+        torch.zeros(batch, dtype=torch.long),
+        torch.arange(batch + 1, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        tables,
+        [1] * batch,
+        lens,
+        1,
+        max(lens),
+    )
     nbytes = sum(lens) * heads * head_dim * 2 * q.element_size()
-    backends = {"C kernel (native)": CpuAttentionBackend(load_kernel_library()),
-                "C kernel (portable)": CpuAttentionBackend(load_kernel_library(portable=True)),
-                "torch reference": TorchAttentionBackend()}
-    times = {name: timeit(lambda i, b=b: b.forward(q, k, k, *caches[i % layers], meta, 0.125), repeat)
-             for name, b in backends.items()}
+    backends = {
+        "C kernel (native)": CpuAttentionBackend(load_kernel_library()),
+        "C kernel (portable)": CpuAttentionBackend(load_kernel_library(portable=True)),
+        "torch reference": TorchAttentionBackend(),
+    }
+    times = {
+        name: timeit(lambda i, b=b: b.forward(q, k, k, *caches[i % layers], meta, 0.125), repeat)
+        for name, b in backends.items()
+    }
     ref = times["torch reference"]
-    return [[f"attention {str(dtype)[6:]}", name, t * 1e3, nbytes / t / 1e9, ref / t] for name, t in times.items()]
+    return [
+        [f"attention {str(dtype)[6:]}", name, t * 1e3, nbytes / t / 1e9, ref / t] for name, t in times.items()
+    ]
 
 
 def linear_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
     rows = []
-    for name, k, n in (("qkv 768->2304", 768, 2304), ("gate_up 768->4096", 768, 4096), ("down 2048->768", 2048, 768),
-                       ("lm_head 768->32000", 768, 32000)):
+    for name, k, n in (
+        ("qkv 768->2304", 768, 2304),
+        ("gate_up 768->4096", 768, 4096),
+        ("down 2048->768", 2048, 768),
+        ("lm_head 768->32000", 768, 32000),
+    ):
         w = torch.randn(n, k, dtype=dtype) * 0.02
         packed = cpu_gemm.prepack(w)
         x = torch.randn(64, k, dtype=dtype)
         plain = timeit(lambda i, x=x, w=w: F.linear(x, w), repeat)
-        fast = (timeit(lambda i, x=x, packed=packed: cpu_gemm.linear(x, packed, None), repeat)
-                if packed is not None else float("nan"))
-        rows.append([f"linear {str(dtype)[6:]}", f"{name}, M=64", fast * 1e3, 2 * 64 * k * n / fast / 1e9, plain / fast])
+        fast = (
+            timeit(lambda i, x=x, packed=packed: cpu_gemm.linear(x, packed, None), repeat)
+            if packed is not None
+            else float("nan")
+        )
+        rows.append(
+            [
+                f"linear {str(dtype)[6:]}",
+                f"{name}, M=64",
+                fast * 1e3,
+                2 * 64 * k * n / fast / 1e9,
+                plain / fast,
+            ]
+        )
     return rows
 
 
@@ -131,8 +166,15 @@ def gemm_pass_rows(repeat: int) -> list[list[Any]]:
         for _ in range(3):
             t_amx = min(t_amx, timeit(lambda i: run(amx), reps))
             t_dnn = min(t_dnn, timeit(lambda i: run(onednn), reps))
-        rows.append(["GEMM pass bfloat16", f"AMX vs oneDNN, M={m} ({mb:.0f} MB)", t_amx * 1e3, mb / t_amx / 1e3,
-                     t_dnn / t_amx])
+        rows.append(
+            [
+                "GEMM pass bfloat16",
+                f"AMX vs oneDNN, M={m} ({mb:.0f} MB)",
+                t_amx * 1e3,
+                mb / t_amx / 1e3,
+                t_dnn / t_amx,
+            ]
+        )
     return rows
 
 
@@ -141,9 +183,11 @@ def elementwise_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
     x, r = torch.randn(64, 768, dtype=dtype), torch.randn(64, 768, dtype=dtype)
     gu = torch.randn(64, 4096, dtype=dtype)
     cos, sin = torch.randn(64, 32, dtype=dtype), torch.randn(64, 32, dtype=dtype)
-    ops = {"rms_norm + residual [64, 768]": lambda: norm.fused_add(x, r),
-           "silu_and_mul [64, 2x2048]": lambda: act(gu),
-           "rotary [64, 12x64]": lambda: apply_rotary(x, cos, sin, 64)}
+    ops = {
+        "rms_norm + residual [64, 768]": lambda: norm.fused_add(x, r),
+        "silu_and_mul [64, 2x2048]": lambda: act(gu),
+        "rotary [64, 12x64]": lambda: apply_rotary(x, cos, sin, 64),
+    }
     rows = []
     for name, fn in ops.items():
         fast = timeit(lambda i, fn=fn: fn(), repeat)
@@ -155,13 +199,34 @@ def elementwise_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
     kc, vc = torch.zeros(4096, 16, 12, 64, dtype=dtype), torch.zeros(4096, 16, 12, 64, dtype=dtype)
     slots = torch.randperm(4096 * 16)[:64]
     fast = timeit(lambda i: cpu_ops.write_kv(k, v, kc, vc, slots), repeat)
-    plain = timeit(lambda i: (kc.view(-1, 12, 64).index_copy_(0, slots, k), vc.view(-1, 12, 64).index_copy_(0, slots, v)),
-                   repeat)
-    rows.append([f"element-wise {str(dtype)[6:]}", "KV write [64, 12x64] vs index_copy_", fast * 1e3, None, plain / fast])
+    plain = timeit(
+        lambda i: (
+            kc.view(-1, 12, 64).index_copy_(0, slots, k),
+            vc.view(-1, 12, 64).index_copy_(0, slots, v),
+        ),
+        repeat,
+    )
+    rows.append(
+        [
+            f"element-wise {str(dtype)[6:]}",
+            "KV write [64, 12x64] vs index_copy_",
+            fast * 1e3,
+            None,
+            plain / fast,
+        ]
+    )
     logits = torch.randn(64, 32000)
     fast = timeit(lambda i: argmax_rows(logits), repeat)
     plain = timeit(lambda i: logits.argmax(dim=-1), repeat)
-    rows.append([f"element-wise {str(dtype)[6:]}", "greedy pick [64, 32000] vs argmax", fast * 1e3, None, plain / fast])
+    rows.append(
+        [
+            f"element-wise {str(dtype)[6:]}",
+            "greedy pick [64, 32000] vs argmax",
+            fast * 1e3,
+            None,
+            plain / fast,
+        ]
+    )
     return rows
 
 
@@ -175,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=30)
-    p.add_argument("--layers", type=int, default=12, help="distinct KV caches the attention rows cycle through")
+    p.add_argument(
+        "--layers", type=int, default=12, help="distinct KV caches the attention rows cycle through"
+    )
     p.add_argument("--out", type=Path, default=OUT / "cpu_kernels.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -184,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     info = machine_info()
     rows: list[list[Any]] = []
-    jobs = [(d, kind) for d in (torch.float32, torch.bfloat16) for kind in ("attention", "linear", "element-wise")]
+    jobs = [
+        (d, kind) for d in (torch.float32, torch.bfloat16) for kind in ("attention", "linear", "element-wise")
+    ]
     jobs += [(torch.bfloat16, "gemm pass"), (torch.float32, "memory")]
     for dtype, kind in tqdm(jobs, desc="cpu kernels", unit="group"):
         with torch.inference_mode():
@@ -200,8 +269,14 @@ def main(argv: list[str] | None = None) -> int:
                 rows += elementwise_rows(dtype, args.repeat)
     print(f"\n{args.threads} threads; {load_line(info)}")
     print(table(["group", "variant", "ms", "GB/s or GFLOP/s", "speed vs torch (GEMM pass: vs oneDNN)"], rows))
-    write_json(args.out, {"machine": info, "threads": args.threads,
-                          "rows": [dict(zip(["group", "variant", "ms", "rate", "speedup"], r)) for r in rows]})
+    write_json(
+        args.out,
+        {
+            "machine": info,
+            "threads": args.threads,
+            "rows": [dict(zip(["group", "variant", "ms", "rate", "speedup"], r)) for r in rows],
+        },
+    )
     print(f"wrote {args.out}")
     return 0
 

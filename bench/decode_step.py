@@ -3,7 +3,8 @@
 
     python bench/decode_step.py                       # medium model, batch 64, context 256, 2 threads
     python bench/decode_step.py --batch 32 --context 512
-    python bench/decode_step.py --dtypes bfloat16 --kv-cache-dtypes auto fp8_e5m2   # float8 K/V: half the reads
+    python bench/decode_step.py --dtypes bfloat16 --kv-cache-dtypes auto fp8_e5m2 \
+  # float8 K/V: half the reads
 
 Drives a ModelRunner directly (no engine, no sockets) on the bench's "medium" Llama (~100M, hidden
 768, 12 layers): a prefill of `batch` random prompts of `context` tokens, then timed greedy decode
@@ -89,6 +90,7 @@ def timed_entry_points() -> Iterator[dict[str, float]]:
                 return fn(*args, **kwargs)
             finally:
                 spent[label] += time.perf_counter() - t0
+
         return call
 
     for (owner, name, fn), (*_, label) in zip(saved, ENTRY_POINTS):
@@ -112,18 +114,31 @@ def measure(model: Path, dtype: str, kv_dtype: str, batch: int, context: int, st
     random.Random(0).shuffle(blocks)  # scattered blocks, as after a while of serving
     rng = random.Random(1)
     vocab = runner.model.config.vocab_size
-    seqs = [SeqState(i, [rng.randrange(vocab) for _ in range(context)], context, blocks[i * per_seq:(i + 1) * per_seq],
-                     0, SamplingOptions(temperature=0.0)) for i in range(batch)]
+    seqs = [
+        SeqState(
+            i,
+            [rng.randrange(vocab) for _ in range(context)],
+            context,
+            blocks[i * per_seq : (i + 1) * per_seq],
+            0,
+            SamplingOptions(temperature=0.0),
+        )
+        for i in range(batch)
+    ]
     chunk = max(1, 2048 // context)
     for i in range(0, batch, chunk):
-        group = seqs[i:i + chunk]
-        out = runner.execute_model(runner.prepare_model_input(StepBatch(0, group, [context] * len(group), [0] * len(group))), None)
+        group = seqs[i : i + chunk]
+        out = runner.execute_model(
+            runner.prepare_model_input(StepBatch(0, group, [context] * len(group), [0] * len(group))), None
+        )
         for s, t in zip(group, out.token_ids):
             s.num_computed_tokens = context
             s.token_ids.append(t)
 
     def step(k: int) -> None:
-        out = runner.execute_model(runner.prepare_model_input(StepBatch(k, seqs, [1] * batch, [0] * batch)), None)
+        out = runner.execute_model(
+            runner.prepare_model_input(StepBatch(k, seqs, [1] * batch, [0] * batch)), None
+        )
         for s, t in zip(seqs, out.token_ids):
             s.num_computed_tokens += 1
             s.token_ids.append(t)
@@ -156,14 +171,27 @@ def measure(model: Path, dtype: str, kv_dtype: str, batch: int, context: int, st
             other += us
     elem = torch.empty((), dtype=torch_dtype).element_size()
     weights = sum(p.numel() for n, p in runner.model.named_parameters() if "embed_tokens" not in n) * elem
-    packed = sum(m.packed.numel() * elem for m in runner.model.modules()
-                 if isinstance(getattr(m, "packed", None), (torch.Tensor, AmxWeight)))
+    packed = sum(
+        m.packed.numel() * elem
+        for m in runner.model.modules()
+        if isinstance(getattr(m, "packed", None), (torch.Tensor, AmxWeight))
+    )
     ctx = context + 2 + steps / 2  # mean context over the timed steps
     kv = runner.kv_bytes_per_block / cfg.block_size * ctx * batch
-    return {"dtype": dtype, "kv_cache_dtype": kv_dtype, "ms": seconds * 1e3, "tok_s": batch / seconds, "weight_bytes": weights + packed,
-            "kv_bytes": kv, "linear_ms": linear / 1e3, "other_ops_ms": other / 1e3,
-            "rest_ms": prof_seconds * 1e3 - (linear + other) / 1e3, "prof_ms": prof_seconds * 1e3,
-            "timed_ms": timed_seconds * 1e3, "breakdown_ms": breakdown}
+    return {
+        "dtype": dtype,
+        "kv_cache_dtype": kv_dtype,
+        "ms": seconds * 1e3,
+        "tok_s": batch / seconds,
+        "weight_bytes": weights + packed,
+        "kv_bytes": kv,
+        "linear_ms": linear / 1e3,
+        "other_ops_ms": other / 1e3,
+        "rest_ms": prof_seconds * 1e3 - (linear + other) / 1e3,
+        "prof_ms": prof_seconds * 1e3,
+        "timed_ms": timed_seconds * 1e3,
+        "breakdown_ms": breakdown,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,22 +209,68 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model("medium")
     rate = STREAM_BYTES / stream_read_seconds()
     runs = [(d, kv) for d in args.dtypes for kv in args.kv_cache_dtypes]
-    results = [measure(model, d, kv, args.batch, args.context, args.steps) for d, kv in tqdm(runs, desc="decode step")]
+    results = [
+        measure(model, d, kv, args.batch, args.context, args.steps)
+        for d, kv in tqdm(runs, desc="decode step")
+    ]
     rows = []
     for r in results:
         floor_ms = (r["weight_bytes"] + r["kv_bytes"]) / rate * 1e3
-        rows.append([r["dtype"], r["kv_cache_dtype"], r["ms"], r["tok_s"], r["weight_bytes"] / 2**20, r["kv_bytes"] / 2**20, floor_ms,
-                     100 * floor_ms / r["ms"], r["linear_ms"], r["other_ops_ms"], r["rest_ms"]])
-    print(f"\nmedium model, batch {args.batch}, context ~{args.context}, {args.threads} threads; streaming read "
-          f"{rate / 1e9:.1f} GB/s; {load_line(info)}")
-    print(table(["dtype", "KV dtype", "ms/step", "tok/s", "weights MiB", "K/V MiB", "read floor ms", "bandwidth eff. %",
-                 "oneDNN linear ms", "other torch ops ms", "C kernels + Python ms"], rows))
+        rows.append(
+            [
+                r["dtype"],
+                r["kv_cache_dtype"],
+                r["ms"],
+                r["tok_s"],
+                r["weight_bytes"] / 2**20,
+                r["kv_bytes"] / 2**20,
+                floor_ms,
+                100 * floor_ms / r["ms"],
+                r["linear_ms"],
+                r["other_ops_ms"],
+                r["rest_ms"],
+            ]
+        )
+    print(
+        f"\nmedium model, batch {args.batch}, context ~{args.context}, {args.threads} threads; "
+        f"streaming read {rate / 1e9:.1f} GB/s; {load_line(info)}"
+    )
+    print(
+        table(
+            [
+                "dtype",
+                "KV dtype",
+                "ms/step",
+                "tok/s",
+                "weights MiB",
+                "K/V MiB",
+                "read floor ms",
+                "bandwidth eff. %",
+                "oneDNN linear ms",
+                "other torch ops ms",
+                "C kernels + Python ms",
+            ],
+            rows,
+        )
+    )
     labels = list(results[0]["breakdown_ms"]) if results else []
-    print("\nwhere the step goes, wall ms per step (each entry point timed; their sum and \"rest\" make the step):")
-    print(table(["dtype", "KV dtype", "step", *labels],
-                [[r["dtype"], r["kv_cache_dtype"], r["timed_ms"], *(r["breakdown_ms"][k] for k in labels)] for r in results]))
-    write_json(args.out, {"machine": info, "args": vars(args) | {"out": str(args.out)}, "read_rate": rate,
-                          "results": results})
+    print(
+        "\nwhere the step goes, wall ms per step "
+        '(each entry point timed; their sum and "rest" make the step):'
+    )
+    print(
+        table(
+            ["dtype", "KV dtype", "step", *labels],
+            [
+                [r["dtype"], r["kv_cache_dtype"], r["timed_ms"], *(r["breakdown_ms"][k] for k in labels)]
+                for r in results
+            ],
+        )
+    )
+    write_json(
+        args.out,
+        {"machine": info, "args": vars(args) | {"out": str(args.out)}, "read_rate": rate, "results": results},
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -23,7 +23,18 @@ import torch
 
 
 def run_gpu_tests() -> int:
-    cmd = [sys.executable, "-m", "pytest", "-q", "tests/cuda", "tests/asyncengine/layers", "tests/asyncengine/cpu", "tests/asyncengine/test_gpu_engine.py", "-p", "no:cacheprovider"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "tests/cuda",
+        "tests/asyncengine/layers",
+        "tests/asyncengine/cpu",
+        "tests/asyncengine/test_gpu_engine.py",
+        "-p",
+        "no:cacheprovider",
+    ]
     print("$", " ".join(cmd), flush=True)
     return subprocess.run(cmd, timeout=240).returncode
 
@@ -31,9 +42,15 @@ def run_gpu_tests() -> int:
 def build_model(path: Path) -> Path:
     import transformers
 
-    cfg = transformers.LlamaConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                                   num_key_value_heads=12, intermediate_size=2048, vocab_size=32000,
-                                   max_position_embeddings=2048)
+    cfg = transformers.LlamaConfig(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        intermediate_size=2048,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+    )
     cfg.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
@@ -65,16 +82,28 @@ def decode_throughput(model_dir: Path, batch: int, eager: bool, steps: int, devi
     seqs = []
     for i in range(batch):
         prompt = [rng.randrange(runner.model.config.vocab_size) for _ in range(128)]
-        seqs.append(SeqState(i, prompt, len(prompt), list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 0,
-                             SamplingOptions(temperature=0.0)))
-    first = runner.execute_model(runner.prepare_model_input(StepBatch(0, seqs, [128] * batch, [0] * batch)), None)
+        seqs.append(
+            SeqState(
+                i,
+                prompt,
+                len(prompt),
+                list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+                0,
+                SamplingOptions(temperature=0.0),
+            )
+        )
+    first = runner.execute_model(
+        runner.prepare_model_input(StepBatch(0, seqs, [128] * batch, [0] * batch)), None
+    )
     for s, t in zip(seqs, first.token_ids):  # the prefill's sampled token is the first decode input
         s.num_computed_tokens = 128
         s.token_ids.append(t)
     sync()
     start = time.perf_counter()
     for step in range(steps):
-        out = runner.execute_model(runner.prepare_model_input(StepBatch(step + 1, seqs, [1] * batch, [0] * batch)), None)
+        out = runner.execute_model(
+            runner.prepare_model_input(StepBatch(step + 1, seqs, [1] * batch, [0] * batch)), None
+        )
         for s, t in zip(seqs, out.token_ids):
             s.num_computed_tokens += 1
             s.token_ids.append(t)
@@ -92,12 +121,14 @@ def attention_times() -> tuple[float, float]:
     from asyncengine.layers.attention_triton import TritonAttentionBackend
 
     rng = random.Random(0)
-    q, k, v, kc, vc, meta = build_batch([1] * 64, [rng.randint(64, 1024) for _ in range(64)], 32, 8, 128, 16,
-                                        torch.bfloat16)
+    q, k, v, kc, vc, meta = build_batch(
+        [1] * 64, [rng.randint(64, 1024) for _ in range(64)], 32, 8, 128, 16, torch.bfloat16
+    )
     dev = torch.device("cuda")
     q, k, v, kc, vc = (t.to(dev) for t in (q, k, v, kc, vc))
     meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables = (
-        t.to(dev) for t in (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables))
+        t.to(dev) for t in (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables)
+    )
     result = []
     for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
         for _ in range(3):
@@ -112,7 +143,9 @@ def attention_times() -> tuple[float, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
@@ -129,8 +162,10 @@ def main() -> int:
             graphs = decode_throughput(model, batch, False, args.steps)
             print(f"{batch:>6} {eager:>12.0f} {graphs:>13.0f} {graphs / eager:>8.2f}x", flush=True)
     triton_ms, torch_ms = attention_times()
-    print(f"\ndecode attention, 64 seqs x 64-1024 tokens, 32 q / 8 kv heads, d=128, bf16: "
-          f"triton {triton_ms:.3f} ms, torch reference {torch_ms:.3f} ms ({torch_ms / triton_ms:.1f}x)")
+    print(
+        f"\ndecode attention, 64 seqs x 64-1024 tokens, 32 q / 8 kv heads, d=128, bf16: "
+        f"triton {triton_ms:.3f} ms, torch reference {torch_ms:.3f} ms ({torch_ms / triton_ms:.1f}x)"
+    )
     return rc
 
 

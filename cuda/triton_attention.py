@@ -37,13 +37,24 @@ if HAS_TRITON:
 
     @triton.jit
     def _paged_decode_kernel(
-        Q, K_cache, V_cache, Block_tables, Seq_lens, Out,
+        Q,
+        K_cache,
+        V_cache,
+        Block_tables,
+        Seq_lens,
+        Out,
         scale,
-        stride_qb, stride_qh,
-        stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
         stride_bt,
-        stride_ob, stride_oh,
+        stride_ob,
+        stride_oh,
         block_size,
         window,  # sliding window: keys seq_len - window .. seq_len - 1 (a huge value: no window)
         GROUP: tl.constexpr,  # query heads per KV head
@@ -93,13 +104,25 @@ if HAS_TRITON:
 
     @triton.jit
     def _paged_prefill_kernel(
-        Q, K_cache, V_cache, Block_tables, Query_start_loc, Seq_lens, Out,
+        Q,
+        K_cache,
+        V_cache,
+        Block_tables,
+        Query_start_loc,
+        Seq_lens,
+        Out,
         scale,
-        stride_qt, stride_qh,
-        stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
         stride_bt,
-        stride_ot, stride_oh,
+        stride_ot,
+        stride_oh,
         block_size,
         window,  # sliding window: query position p sees keys p - window < j <= p (huge: no window)
         GROUP: tl.constexpr,
@@ -146,18 +169,26 @@ if HAS_TRITON:
             mask_kv = mask_n[:, None] & mask_d[None, :]
             k_ptrs = K_cache + block.to(tl.int64)[:, None] * stride_kb + offset[:, None] * stride_ks
             # a float8 cache (kv_cache_dtype=fp8_e5m2) is widened to the query's dtype here
-            k = tl.load(k_ptrs + kv_head * stride_kh + offs_d[None, :], mask=mask_kv, other=0.0).to(q.dtype)  # [N, D]
+            k = tl.load(k_ptrs + kv_head * stride_kh + offs_d[None, :], mask=mask_kv, other=0.0).to(
+                q.dtype
+            )  # [N, D]
             # "ieee" keeps fp32 inputs exact on tensor-core GPUs (default tf32 drops mantissa bits);
             # half-precision inputs ignore it.
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, N] fp32
-            visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window) & mask_n[None, :]
+            visible = (
+                (offs_n[None, :] <= q_pos[:, None])
+                & (offs_n[None, :] > q_pos[:, None] - window)
+                & mask_n[None, :]
+            )
             scores = tl.where(visible, scores, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [M]
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])  # [M, N]
             v_ptrs = V_cache + block.to(tl.int64)[:, None] * stride_vb + offset[:, None] * stride_vs
-            v = tl.load(v_ptrs + kv_head * stride_vh + offs_d[None, :], mask=mask_kv, other=0.0).to(q.dtype)  # [N, D]
+            v = tl.load(v_ptrs + kv_head * stride_vh + offs_d[None, :], mask=mask_kv, other=0.0).to(
+                q.dtype
+            )  # [N, D]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -172,8 +203,10 @@ def _check_common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed; use the torch attention backend")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if head_dim != k_cache.shape[3] or num_heads % num_kv_heads:
@@ -215,13 +248,24 @@ def paged_attention_decode(
     if num_seqs == 0:
         return out
     _paged_decode_kernel[(num_seqs, num_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
         scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0),
+        out.stride(1),
         k_cache.shape[1],
         sliding_window or _NO_WINDOW,
         GROUP=group,
@@ -258,13 +302,25 @@ def paged_attention_prefill(
         return out
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, _PREFILL_BLOCK_M))
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
         scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0),
+        out.stride(1),
         k_cache.shape[1],
         sliding_window or _NO_WINDOW,
         GROUP=group,

@@ -66,8 +66,15 @@ def test_python_block_runs_as_a_file(index: int, quickstart: ServerProcess, tmp_
     script = tmp_path / f"readme_block_{index}.py"
     script.write_text(code)
     # cwd=tmp_path: the repository root would shadow the installed package (see server_process.start_server)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
-                          env=no_key_env(), timeout=SNIPPET_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=no_key_env(),
+        timeout=SNIPPET_TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, f"README block {index} failed:\n{code}\n--- stderr:\n{done.stderr[-3000:]}"
     assert done.stdout.strip(), f"README block {index} printed nothing:\n{code}"
 
@@ -80,9 +87,16 @@ def test_generate_example_shows_its_actual_output(quickstart: ServerProcess) -> 
     shown = FENCE.match(text, text.index("```text\n", command.end()))
     assert shown is not None and shown.group(1) == "text"
     prompt = codecs.decode(command.group(2), "unicode_escape")  # bash's $'...' escapes
-    r = httpx.post(f"{quickstart.base}/v1/completions", timeout=120,
-                   json={"model": "default-model", "prompt": prompt, "max_tokens": int(command.group(1)),
-                         "temperature": 0})
+    r = httpx.post(
+        f"{quickstart.base}/v1/completions",
+        timeout=120,
+        json={
+            "model": "default-model",
+            "prompt": prompt,
+            "max_tokens": int(command.group(1)),
+            "temperature": 0,
+        },
+    )
     assert r.status_code == 200, r.text
     # `generate` ends its output with a newline, as the block does
     assert r.json()["choices"][0]["text"] + "\n" == shown.group(2)

@@ -20,15 +20,28 @@ def hf_config(arch: str, **overrides: Any) -> transformers.PretrainedConfig:
     max_pos = overrides.pop("max_position_embeddings", 1024)
     if arch == "gpt2":
         cfg = transformers.GPT2Config(
-            n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab, n_positions=max_pos,
-            bos_token_id=1, eos_token_id=2, **overrides,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
+            vocab_size=vocab,
+            n_positions=max_pos,
+            bos_token_id=1,
+            eos_token_id=2,
+            **overrides,
         )
         cfg.architectures = ["GPT2LMHeadModel"]
         return cfg
     common = dict(
-        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        vocab_size=vocab, max_position_embeddings=max_pos, intermediate_size=overrides.pop("intermediate_size", 128),
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=overrides.pop("tie_word_embeddings", False),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=max_pos,
+        intermediate_size=overrides.pop("intermediate_size", 128),
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=overrides.pop("tie_word_embeddings", False),
     )
     common.update(overrides)
     cls, arch_name = {
@@ -42,7 +55,9 @@ def hf_config(arch: str, **overrides: Any) -> transformers.PretrainedConfig:
     return cfg
 
 
-def build_tiny_model(arch: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Path:
+def build_tiny_model(
+    arch: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Path:
     """Saves a random model of `arch` to `path` and returns the directory."""
     cfg = hf_config(arch, **overrides)
     torch.manual_seed(seed)
@@ -77,11 +92,15 @@ def build_tokenizer(path: Path, vocab_size: int = 400) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(TOKENIZER_CORPUS, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                                unk_token="<unk>")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     fast.chat_template = (
         "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<s>assistant: {% endif %}"
@@ -104,6 +123,8 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     out = []
     with torch.no_grad():
         for p in prompts:
-            ids = hf.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-            out.append(ids[0, len(p):].tolist())
+            ids = hf.generate(
+                torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+            )
+            out.append(ids[0, len(p) :].tolist())
     return out

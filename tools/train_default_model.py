@@ -76,7 +76,9 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (EOS, IM_START, IM_END)  # ids 0, 1, 2 in this order
 
 # Directory names (any path component) whose files are not training text.
-EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__", "encodings", "pydoc_data"})
+EXCLUDED_DIRS = frozenset(
+    {"test", "tests", "idle_test", "site-packages", "__pycache__", "encodings", "pydoc_data"}
+)
 HELDOUT_MODULUS = 50  # 1 file in 50, i.e. ~2 %, is held out
 
 # The held-out slice the test suite recomputes: small so that the test runs in seconds.
@@ -128,11 +130,23 @@ class TrainHParams:
 
 
 QUICK_MODEL = ModelHParams(
-    vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    intermediate_size=172, max_position_embeddings=256,
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=172,
+    max_position_embeddings=256,
 )
 QUICK_TRAIN = TrainHParams(
-    steps=30, batch_size=4, seq_len=64, lr=3e-3, warmup_steps=5, eval_every=10, eval_windows=4, log_every=5,
+    steps=30,
+    batch_size=4,
+    seq_len=64,
+    lr=3e-3,
+    warmup_steps=5,
+    eval_every=10,
+    eval_windows=4,
+    log_every=5,
 )
 QUICK_FILES = 40  # training files used by --quick
 
@@ -341,7 +355,9 @@ class WindowSampler:
         idx = self.order[self.pos : self.pos + self.batch_size]
         self.pos += self.batch_size
         # windows overlap by one token so that every token is a target exactly once per epoch
-        return torch.stack([self.stream[i * (self.width - 1) : i * (self.width - 1) + self.width] for i in idx.tolist()])
+        return torch.stack(
+            [self.stream[i * (self.width - 1) : i * (self.width - 1) + self.width] for i in idx.tolist()]
+        )
 
 
 def greedy_samples(model: Any, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int) -> dict[str, str]:
@@ -350,7 +366,9 @@ def greedy_samples(model: Any, tokenizer: Any, prompts: Sequence[str], max_new_t
     out = {}
     for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt")
-        gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        gen = model.generate(
+            **ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
         out[prompt] = tokenizer.decode(gen[0, ids["input_ids"].shape[1] :], skip_special_tokens=False)
     return out
 
@@ -375,18 +393,27 @@ def plot_loss_curve(log: dict[str, Any], path: Path) -> None:
     ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train (per step)")
     ax.plot(steps, smooth, color="tab:blue", linewidth=1.6, label="train (EMA 0.9)")
     ax.plot(
-        [e["step"] for e in log["eval"]], [e["heldout_loss"] for e in log["eval"]],
-        color="tab:orange", marker="o", markersize=4, linewidth=1.6, label="held-out",
+        [e["step"] for e in log["eval"]],
+        [e["heldout_loss"] for e in log["eval"]],
+        color="tab:orange",
+        marker="o",
+        markersize=4,
+        linewidth=1.6,
+        label="held-out",
     )
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / token)")
     m, t = log["model"], log["train_hparams"]
     ax.set_title(
-        f"default model: {log['n_params'] / 1e6:.2f}M params, {m['num_hidden_layers']} layers x {m['hidden_size']}, "
+        f"default model: {log['n_params'] / 1e6:.2f}M params, "
+        f"{m['num_hidden_layers']} layers x {m['hidden_size']}, "
         f"{t['batch_size']}x{t['seq_len']} tokens/step",
         fontsize=9,
     )
-    ax.set_ylim(bottom=max(0.0, min(losses + [e["heldout_loss"] for e in log["eval"]]) - 0.3), top=min(max(losses), 9.0))
+    ax.set_ylim(
+        bottom=max(0.0, min(losses + [e["heldout_loss"] for e in log["eval"]]) - 0.3),
+        top=min(max(losses), 9.0),
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -402,55 +429,61 @@ def write_model_card(log: dict[str, Any], path: Path) -> None:
     )
     text = f"""# asyncengine default model
 
-A {log['n_params'] / 1e6:.2f}M-parameter Llama-architecture model trained from scratch on the Python
+A {log["n_params"] / 1e6:.2f}M-parameter Llama-architecture model trained from scratch on the Python
 standard library, so that it completes Python code. It ships inside the package so the engine
 and its tests always have a real model available offline. It is a toy: expect syntactically
 plausible, semantically shallow code.
 
-Produced by `{log['command']}`
-({log['wall_time_s']['total'] / 60:.1f} min on {t['threads']} CPU thread(s), {log['machine']}).
+Produced by `{log["command"]}`
+({log["wall_time_s"]["total"] / 60:.1f} min on {t["threads"]} CPU thread(s), {log["machine"]}).
 
 ## Corpus
 
-The `*.py` files of CPython {c['python_version']}'s standard library (`sysconfig.get_paths()["stdlib"]`),
-sorted by path, excluding directories named {', '.join(f'`{d}`' for d in c['excluded_dirs'])}.
-A file is held out iff `sha256(relative path) % {c['heldout_modulus']} == 0`.
+The `*.py` files of CPython {c["python_version"]}'s standard library (`sysconfig.get_paths()["stdlib"]`),
+sorted by path, excluding directories named {", ".join(f"`{d}`" for d in c["excluded_dirs"])}.
+A file is held out iff `sha256(relative path) % {c["heldout_modulus"]} == 0`.
 
 | | files | bytes | tokens |
 |---|---:|---:|---:|
-| train | {c['train_files']} | {c['train_bytes']:,} | {c['train_tokens']:,} |
-| held-out | {c['heldout_files']} | {c['heldout_bytes']:,} | {c['heldout_tokens']:,} |
+| train | {c["train_files"]} | {c["train_bytes"]:,} | {c["train_tokens"]:,} |
+| held-out | {c["heldout_files"]} | {c["heldout_bytes"]:,} | {c["heldout_tokens"]:,} |
 
 ## Tokenizer
 
-Byte-level BPE (`tokenizers`), vocab {log['tokenizer']['vocab_size']}, trained on the training files.
+Byte-level BPE (`tokenizers`), vocab {log["tokenizer"]["vocab_size"]}, trained on the training files.
 Special tokens: `<|endoftext|>` (id 0; bos, eos and pad), `<|im_start|>` (1), `<|im_end|>` (2).
 No BOS is added on encode. A ChatML `chat_template` is in `tokenizer_config.json`; the chat
 tokens were never seen in training.
 
 ## Architecture
 
-`LlamaForCausalLM`: hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, {m['num_attention_heads']} heads
-({m['num_key_value_heads']} KV heads, GQA), head dim {m['hidden_size'] // m['num_attention_heads']}, SwiGLU
-intermediate {m['intermediate_size']}, RMSNorm eps {m['rms_norm_eps']}, RoPE theta {m['rope_theta']:g},
-max positions {m['max_position_embeddings']}, tied input/output embeddings. Weights: float32 safetensors.
+`LlamaForCausalLM`: hidden {m["hidden_size"]}, {m["num_hidden_layers"]} layers, \
+{m["num_attention_heads"]} heads
+({m["num_key_value_heads"]} KV heads, GQA), head dim {m["hidden_size"] // m["num_attention_heads"]}, SwiGLU
+intermediate {m["intermediate_size"]}, RMSNorm eps {m["rms_norm_eps"]}, RoPE theta {m["rope_theta"]:g},
+max positions {m["max_position_embeddings"]}, tied input/output embeddings. Weights: float32 safetensors.
 
 ## Training
 
-AdamW (betas {t['beta1']}, {t['beta2']}; weight decay {t['weight_decay']}; grad clip {t['grad_clip']}),
-peak LR {t['lr']:g} with {t['warmup_steps']} warm-up steps then cosine decay to {t['lr'] * t['min_lr_ratio']:g},
-{t['steps']} steps of {t['batch_size']} x {t['seq_len']} tokens ({log['tokens_seen']:,} tokens,
-{log['tokens_seen'] / max(c['train_tokens'], 1):.2f} epochs), seed {log['seed']}, float32,
-`torch.set_num_threads({t['threads']})`.
+AdamW (betas {t["beta1"]}, {t["beta2"]}; weight decay {t["weight_decay"]}; grad clip {t["grad_clip"]}),
+peak LR {t["lr"]:g} with {t["warmup_steps"]} warm-up steps then cosine decay to \
+{t["lr"] * t["min_lr_ratio"]:g},
+{t["steps"]} steps of {t["batch_size"]} x {t["seq_len"]} tokens ({log["tokens_seen"]:,} tokens,
+{log["tokens_seen"] / max(c["train_tokens"], 1):.2f} epochs), seed {log["seed"]}, float32,
+`torch.set_num_threads({t["threads"]})`.
 
 | | value |
 |---|---:|
-| final train loss (mean of last {f['train_loss_window']} steps) | {f['train_loss']:.4f} |
-| final held-out loss ({t['eval_windows']} x {t['seq_len']} tokens) | {f['heldout_loss']:.4f} |
-| held-out loss on the test slice ({log['test_slice']['n_windows']} x {log['test_slice']['seq_len']} tokens) | {f['heldout_loss_test_slice']:.4f} |
-| threshold checked by the tests | {f['test_threshold']:.4f} |
-| wall time: tokenizer / tokenisation / training / total | {log['wall_time_s']['tokenizer']:.0f} s / {log['wall_time_s']['tokenize']:.0f} s / {log['wall_time_s']['train']:.0f} s / {log['wall_time_s']['total']:.0f} s |
-| mean training throughput (incl. evaluations; the wall time scales with load on the machine) | {log['tokens_seen'] / log['wall_time_s']['train']:,.0f} tokens/s |
+| final train loss (mean of last {f["train_loss_window"]} steps) | {f["train_loss"]:.4f} |
+| final held-out loss ({t["eval_windows"]} x {t["seq_len"]} tokens) | {f["heldout_loss"]:.4f} |
+| held-out loss on the test slice ({log["test_slice"]["n_windows"]} x {log["test_slice"]["seq_len"]} tokens) \
+| {f["heldout_loss_test_slice"]:.4f} |
+| threshold checked by the tests | {f["test_threshold"]:.4f} |
+| wall time: tokenizer / tokenisation / training / total \
+| {log["wall_time_s"]["tokenizer"]:.0f} s / {log["wall_time_s"]["tokenize"]:.0f} s \
+/ {log["wall_time_s"]["train"]:.0f} s / {log["wall_time_s"]["total"]:.0f} s |
+| mean training throughput (incl. evaluations; the wall time scales with load on the machine) \
+| {log["tokens_seen"] / log["wall_time_s"]["train"]:,.0f} tokens/s |
 
 ![loss curve](loss_curve.png)
 
@@ -469,14 +502,22 @@ The full history is in `training_log.json`.
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line flags; see the module docstring."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default: the bundled assets)")
+    p.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="output directory (default: the bundled assets)"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 1100, or 30 with --quick)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps (default: 1100, or 30 with --quick)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the shipped run used 1)")
-    p.add_argument("--quick", action="store_true", help="tiny model and corpus: a smoke test, well under a minute")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model and corpus: a smoke test, well under a minute"
+    )
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 2e-3)")
     p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--margin", type=float, default=0.05, help="test threshold = test-slice held-out loss + margin")
+    p.add_argument(
+        "--margin", type=float, default=0.05, help="test threshold = test-slice held-out loss + margin"
+    )
     return p.parse_args(argv)
 
 
@@ -492,7 +533,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     mhp = QUICK_MODEL if args.quick else ModelHParams()
     thp = QUICK_TRAIN if args.quick else TrainHParams()
-    overrides = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("batch_size", args.batch_size)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (("steps", args.steps), ("lr", args.lr), ("batch_size", args.batch_size))
+        if v is not None
+    }
     thp = dataclasses.replace(thp, **overrides)
     test_seq_len = thp.seq_len if args.quick else TEST_SLICE_SEQ_LEN
     test_windows = 4 if args.quick else TEST_SLICE_WINDOWS
@@ -505,7 +550,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     # tokenizer (train files only, so the held-out loss is honest)
     tokenizer = train_tokenizer((read_source(f, root) for f in train_files), mhp.vocab_size)
-    assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2], "special tokens must be ids 0-2"
+    assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2], (
+        "special tokens must be ids 0-2"
+    )
     t_tok = time.perf_counter()
     print(f"tokenizer: vocab {len(tokenizer)} in {t_tok - t_start:.1f}s", flush=True)
 
@@ -514,7 +561,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     eval_windows = heldout_eval_windows(tokenizer, thp.eval_windows, thp.seq_len + 1, root, heldout_files)
     test_slice = heldout_eval_windows(tokenizer, test_windows, test_seq_len, root, heldout_files)
     t_enc = time.perf_counter()
-    print(f"tokens: train {train_stream.numel():,}, held-out {heldout_stream_len:,} ({t_enc - t_tok:.1f}s)", flush=True)
+    print(
+        f"tokens: train {train_stream.numel():,}, held-out {heldout_stream_len:,} ({t_enc - t_tok:.1f}s)",
+        flush=True,
+    )
 
     torch.manual_seed(args.seed)
     config = build_config(mhp, tokenizer)
@@ -528,7 +578,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": thp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=thp.lr, betas=(thp.beta1, thp.beta2), eps=1e-8,
+        lr=thp.lr,
+        betas=(thp.beta1, thp.beta2),
+        eps=1e-8,
     )
     sampler = WindowSampler(train_stream, thp.seq_len, thp.batch_size, args.seed)
 
@@ -547,10 +599,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), thp.grad_clip)
         optimizer.step()
         elapsed = time.perf_counter() - t_train
-        history.append({"step": step + 1, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "elapsed_s": elapsed})
+        history.append(
+            {
+                "step": step + 1,
+                "loss": loss.item(),
+                "lr": lr,
+                "grad_norm": grad_norm.item(),
+                "elapsed_s": elapsed,
+            }
+        )
         if (step + 1) % thp.log_every == 0 or step == 0:
             tps = (step + 1) * thp.batch_size * thp.seq_len / elapsed
-            print(f"step {step + 1}/{thp.steps} loss {loss.item():.4f} lr {lr:.2e} {tps:.0f} tok/s {elapsed:.0f}s", flush=True)
+            print(
+                f"step {step + 1}/{thp.steps} loss {loss.item():.4f} lr {lr:.2e} {tps:.0f} tok/s "
+                f"{elapsed:.0f}s",
+                flush=True,
+            )
         if (step + 1) % thp.eval_every == 0 or step + 1 == thp.steps:
             hl = heldout_loss(model, eval_windows)
             evals.append({"step": step + 1, "heldout_loss": hl, "elapsed_s": time.perf_counter() - t_train})
@@ -574,8 +638,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model.config.dtype = torch.float32
     model.save_pretrained(args.out, safe_serialization=True)
     model.generation_config = transformers.GenerationConfig(
-        bos_token_id=0, eos_token_id=[0, tokenizer.convert_tokens_to_ids(IM_END)], pad_token_id=0,
-        do_sample=False, max_new_tokens=128,
+        bos_token_id=0,
+        eos_token_id=[0, tokenizer.convert_tokens_to_ids(IM_END)],
+        pad_token_id=0,
+        do_sample=False,
+        max_new_tokens=128,
     )
     model.generation_config.save_pretrained(args.out)
     # save_jinja_files=False keeps the chat template inside tokenizer_config.json
@@ -590,12 +657,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "command": f"python tools/train_default_model.py {argv_str}".strip(),
         "seed": args.seed,
         "quick": args.quick,
-        "machine": f"{platform.machine()} {platform.processor() or platform.system()}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}",
+        "machine": f"{platform.machine()} {platform.processor() or platform.system()}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}",
         "n_params": n_params,
         "model": dataclasses.asdict(mhp),
         "train_hparams": {**dataclasses.asdict(thp), "threads": args.threads},
-        "tokenizer": {"type": "byte-level BPE", "vocab_size": len(tokenizer), "special_tokens": list(SPECIAL_TOKENS)},
+        "tokenizer": {
+            "type": "byte-level BPE",
+            "vocab_size": len(tokenizer),
+            "special_tokens": list(SPECIAL_TOKENS),
+        },
         "corpus": {
             "stdlib": str(root),
             "python_version": platform.python_version(),
@@ -614,7 +685,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "epochs": sampler.epoch,
         "final": final,
         "wall_time_s": {
-            "tokenizer": t_tok - t_start, "tokenize": t_enc - t_tok, "train": t_done - t_train, "total": t_end - t_start,
+            "tokenizer": t_tok - t_start,
+            "tokenize": t_enc - t_tok,
+            "train": t_done - t_train,
+            "total": t_end - t_start,
         },
         "samples": samples,
         "eval": evals,

@@ -51,10 +51,18 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0  # the engine's side: EngineConfig.heartbeat_t
 IPC_DIR_PREFIX = "asyncengine-"
 # asyncengine-PID-XXXXXXXX; mkdtemp's random part never holds a "-", so older names never match
 _IPC_DIR_NAME = re.compile(rf"{IPC_DIR_PREFIX}(\d+)-[^-]+")
-_AUTH_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-_LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_AUTH_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+)
+_LINK_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class ChannelTimeout(TimeoutError):
@@ -85,7 +93,9 @@ class Endpoints:
             remove_stale_ipc_dirs()
             ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
         os.chmod(ipc_dir, 0o700)
-        return cls(broadcast=f"ipc://{Path(ipc_dir) / 'broadcast'}", results=f"ipc://{Path(ipc_dir) / 'results'}")
+        return cls(
+            broadcast=f"ipc://{Path(ipc_dir) / 'broadcast'}", results=f"ipc://{Path(ipc_dir) / 'results'}"
+        )
 
     @classmethod
     def tcp(cls, host: str, port: int, curve: CurveKeys | None) -> Endpoints:
@@ -183,8 +193,9 @@ class BroadcastSender:
     """The engine's side of the step broadcast: one send reaches every worker. A worker that leaves
     its heartbeat pings unanswered for `heartbeat_timeout_s` counts as unsubscribed."""
 
-    def __init__(self, ctx: zmq.Context, endpoints: Endpoints,
-                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
+    def __init__(
+        self, ctx: zmq.Context, endpoints: Endpoints, heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    ) -> None:
         self._codec: Codec[EngineMessage] = engine_codec()
         self._sock = ctx.socket(zmq.XPUB)
         self._sock.setsockopt(zmq.LINGER, 0)

@@ -43,16 +43,25 @@ def write_key_file(keys: CurveKeys, path: str | Path) -> Path:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"server_public": keys.server_public.decode(), "client_public": keys.client_public.decode(),
-                   "client_secret": keys.client_secret.decode()}, f)
+        json.dump(
+            {
+                "server_public": keys.server_public.decode(),
+                "client_public": keys.client_public.decode(),
+                "client_secret": keys.client_secret.decode(),
+            },
+            f,
+        )
     return path
 
 
 def load_client_keys(path: str | Path) -> CurveKeys:
     try:
         data = json.loads(Path(path).read_text())
-        return CurveKeys(server_public=data["server_public"].encode(), client_public=data["client_public"].encode(),
-                         client_secret=data["client_secret"].encode())
+        return CurveKeys(
+            server_public=data["server_public"].encode(),
+            client_public=data["client_public"].encode(),
+            client_secret=data["client_secret"].encode(),
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise KeyFileError(f"cannot read the CURVE key file {path}: {e}") from e
 

@@ -40,7 +40,9 @@ class ProcessGroups(NamedTuple):
     tp_group: Any  # this stage's TP group (None when tp_size == 1)
 
 
-def init_process_groups(topology: Topology, init_method: str, backend: str, timeout_s: float = 60.0) -> ProcessGroups:
+def init_process_groups(
+    topology: Topology, init_method: str, backend: str, timeout_s: float = 60.0
+) -> ProcessGroups:
     """Joins the world and builds every stage's TP group (all ranks must create all groups, in order)."""
     init_method = resolve_init_method(topology, init_method)  # checks torchrun's variables even for one rank
     if topology.world_size == 1:
@@ -48,8 +50,12 @@ def init_process_groups(topology: Topology, init_method: str, backend: str, time
     timeout = datetime.timedelta(seconds=timeout_s)
     store = loopback_store(topology, init_method, timeout)
     dist.init_process_group(
-        backend=backend, init_method=None if store is not None else init_method, store=store,
-        world_size=topology.world_size, rank=topology.rank, timeout=timeout,
+        backend=backend,
+        init_method=None if store is not None else init_method,
+        store=store,
+        world_size=topology.world_size,
+        rank=topology.rank,
+        timeout=timeout,
     )
     tp_group = None
     if topology.tp_size > 1:
@@ -70,7 +76,11 @@ def loopback_store(topology: Topology, init_method: str, timeout: datetime.timed
     """
     url = urllib.parse.urlparse(init_method)
     try:
-        loopback = url.scheme == "tcp" and url.port is not None and ipaddress.ip_address(url.hostname or "").is_loopback
+        loopback = (
+            url.scheme == "tcp"
+            and url.port is not None
+            and ipaddress.ip_address(url.hostname or "").is_loopback
+        )
     except ValueError:  # a host name, not an address
         loopback = False
     if not loopback:
@@ -83,7 +93,9 @@ def loopback_store(topology: Topology, init_method: str, timeout: datetime.timed
             sock.bind((host, port))
             sock.listen(128)
             fd = sock.detach()  # the store owns the socket from here
-    return dist.TCPStore(host, port, topology.world_size, topology.rank == 0, timeout=timeout, master_listen_fd=fd)
+    return dist.TCPStore(
+        host, port, topology.world_size, topology.rank == 0, timeout=timeout, master_listen_fd=fd
+    )
 
 
 def destroy_process_groups() -> None:

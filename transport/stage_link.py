@@ -30,7 +30,9 @@ class StageLink:
             work.wait()
         self._pending.clear()
 
-    def recv(self, names: tuple[str, ...], num_tokens: int, hidden_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def recv(
+        self, names: tuple[str, ...], num_tokens: int, hidden_size: int, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
         assert self.prev_rank is not None
         out: dict[str, torch.Tensor] = {}
         for name in sorted(names):

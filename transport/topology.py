@@ -105,10 +105,14 @@ def resolve_init_method(topology: Topology, init_method: str, env: Mapping[str, 
     env = os.environ if env is None else env
     rank, world = _env_int(env, "RANK"), _env_int(env, "WORLD_SIZE")
     if rank is not None and rank != topology.rank:
-        raise RendezvousError(f"RANK={rank} in the environment, but this worker was started as rank {topology.rank}")
+        raise RendezvousError(
+            f"RANK={rank} in the environment, but this worker was started as rank {topology.rank}"
+        )
     if world is not None and world != topology.world_size:
-        raise RendezvousError(f"WORLD_SIZE={world} in the environment, but the engine's world is "
-                              f"{topology.world_size} (pipeline {topology.pp_size} x tensor {topology.tp_size})")
+        raise RendezvousError(
+            f"WORLD_SIZE={world} in the environment, but the engine's world is "
+            f"{topology.world_size} (pipeline {topology.pp_size} x tensor {topology.tp_size})"
+        )
     return env_init_method(env) or init_method
 
 

@@ -2,10 +2,10 @@
 
 oneDNN (cpu/gemm.py) reads the weights of a decode step's GEMMs at ~19-22 GB/s on this machine and
 does not overlap its AMX arithmetic with those reads; the kernel here streams them at 26-32 GB/s with
-software prefetch. Measured on the bench's medium model (all 12 layers' projections and the LM head, 219 MB,
-cold, 2 threads): M = 1 1.35x, M = 32 1.28x, M = 64 1.1-1.2x oneDNN's speed, M = 128 alike; `bench/cpu_kernels.py`
-prints the comparison. At prefill sizes oneDNN stays ahead (the layers' GEMMs at M = 2048: 154 against 125-137
-ms), but only one packed copy of a weight is kept (gemm.prepack says why).
+software prefetch. Measured on the bench's medium model (all 12 layers' projections and the LM head,
+219 MB, cold, 2 threads): M = 1 1.35x, M = 32 1.28x, M = 64 1.1-1.2x oneDNN's speed, M = 128 alike;
+`bench/cpu_kernels.py` prints the comparison. At prefill sizes oneDNN stays ahead (the layers' GEMMs at
+M = 2048: 154 against 125-137 ms), but only one packed copy of a weight is kept (gemm.prepack says why).
 
 A merged [gate | up] weight can be packed `gated`: the GEMM then returns silu(gate) * up (LlamaMLP.prepack),
 one op less and half the output written; the result is ops.silu_and_mul's on the plain output, bit for bit.
@@ -103,7 +103,9 @@ def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None) -> tor
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if weight.in_padded != weight.in_features:
-        x2 = F.pad(x2, (0, weight.in_padded - weight.in_features))  # zeros: the padded weight columns are 0 too
+        x2 = F.pad(
+            x2, (0, weight.in_padded - weight.in_features)
+        )  # zeros: the padded weight columns are 0 too
     elif x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if x2.dtype != torch.bfloat16:
@@ -113,9 +115,19 @@ def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None) -> tor
     rows = x2.shape[0]
     width = weight.out_features // 2 if weight.gated else weight.out_features
     out = torch.empty(rows, width, dtype=torch.bfloat16)
-    rc = lib.amx_linear_bf16(x2.data_ptr(), x2.stride(0), weight.data.data_ptr(),
-                             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), rows,
-                             weight.out_features, weight.in_padded, torch.get_num_threads(), int(weight.gated))
+    rc = lib.amx_linear_bf16(
+        x2.data_ptr(),
+        x2.stride(0),
+        weight.data.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        weight.out_features,
+        weight.in_padded,
+        torch.get_num_threads(),
+        int(weight.gated),
+    )
     if rc == -2:
         raise MemoryError("AMX linear could not allocate its scratch rows")
     assert rc == 0, f"amx_linear_bf16 returned {rc}"

@@ -46,7 +46,9 @@ def load_kernel_library(portable: bool = False) -> ctypes.CDLL | None:
     for name in _KERNELS.values():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.argtypes = (
+            [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        )
     return lib
 
 
@@ -56,8 +58,11 @@ def paged_kernel(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int) -> s
     kernel = _KERNELS.get((q.dtype, k_cache.dtype))
     if kernel is None or q.device.type != "cpu" or not k_cache.numel() or q.dim() != 3 or k_cache.dim() != 4:
         return None
-    supported = (q.shape[2] <= MAX_HEAD_DIM and k_cache.shape[1] <= MAX_BLOCK
-                 and q.shape[1] // max(num_kv_heads, 1) <= MAX_GROUP)
+    supported = (
+        q.shape[2] <= MAX_HEAD_DIM
+        and k_cache.shape[1] <= MAX_BLOCK
+        and q.shape[1] // max(num_kv_heads, 1) <= MAX_GROUP
+    )
     return kernel if supported else None
 
 
@@ -78,16 +83,31 @@ def paged_attention(
     """Attention of every query row over its sequence's keys in the paged cache (causal by position)."""
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     rc = getattr(lib, kernel)(  # looked up per call: kernel-graph capture swaps the library's functions
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
-        query_start.data_ptr(), seq_lens.data_ptr(), skip.data_ptr() if skip is not None else None,
-        seq_lens.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], tables.shape[1],
-        scale, window, torch.get_num_threads(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        tables.data_ptr(),
+        query_start.data_ptr(),
+        seq_lens.data_ptr(),
+        skip.data_ptr() if skip is not None else None,
+        seq_lens.shape[0],
+        q.shape[1],
+        k_cache.shape[2],
+        q.shape[2],
+        k_cache.shape[1],
+        tables.shape[1],
+        scale,
+        window,
+        torch.get_num_threads(),
     )
     if rc == -2:
         raise MemoryError("CPU attention kernel could not allocate its scratch buffer")
     if rc != 0:
-        raise ValueError(f"CPU attention kernel does not support head_dim={q.shape[2]}, "
-                         f"block_size={k_cache.shape[1]}, heads {q.shape[1]}/{k_cache.shape[2]}")
+        raise ValueError(
+            f"CPU attention kernel does not support head_dim={q.shape[2]}, "
+            f"block_size={k_cache.shape[1]}, heads {q.shape[1]}/{k_cache.shape[2]}"
+        )
 
 
 @cache
@@ -102,8 +122,13 @@ def load_amx_library() -> ctypes.CDLL | None:
     lib.amx_attention_available.restype = ctypes.c_int
     lib.amx_attention_available.argtypes = []
     lib.amx_attention_bf16.restype = ctypes.c_int
-    lib.amx_attention_bf16.argtypes = ([ctypes.c_void_p, ctypes.c_long] * 4 + [ctypes.c_void_p, ctypes.c_int]
-                                       + [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
+    lib.amx_attention_bf16.argtypes = (
+        [ctypes.c_void_p, ctypes.c_long] * 4
+        + [ctypes.c_void_p, ctypes.c_int]
+        + [ctypes.c_void_p]
+        + [ctypes.c_int] * 5
+        + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    )
     return lib if lib.amx_attention_available() else None
 
 
@@ -124,28 +149,54 @@ def amx_prompt_attention(
     table, and a sequence's third field is the row of `tables` that holds that table."""
     head_dim = q.shape[-1]
     # the shape and dtype first: a float32 worker never builds the library nor asks for AMX tile state
-    if (q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
-            or head_dim % 32 or head_dim > 256 or q.device.type != "cpu"):
+    if (
+        q.dtype != torch.bfloat16
+        or k.dtype != torch.bfloat16
+        or v.dtype != torch.bfloat16
+        or head_dim % 32
+        or head_dim > 256
+        or q.device.type != "cpu"
+    ):
         return False
     lib = load_amx_library()
     if lib is None:
         return False
     block_size = 0
     if tables is not None:
-        assert k.is_contiguous() and v.is_contiguous() and tables.is_contiguous() and tables.dtype == torch.int32
+        assert (
+            k.is_contiguous() and v.is_contiguous() and tables.is_contiguous() and tables.dtype == torch.int32
+        )
         block_size = k.shape[1]
         k, v = k.flatten(0, 1), v.flatten(0, 1)  # [num_blocks * block, Hkv, D]
     k, v = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous() for t in (k, v))
     assert q.is_contiguous() and out.is_contiguous()
     info = torch.tensor(seqs, dtype=torch.int32)
-    rc = lib.amx_attention_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                out.data_ptr(), out.stride(0), info.data_ptr(), len(seqs),
-                                tables.data_ptr() if tables is not None else None,
-                                tables.stride(0) if tables is not None else 0, block_size, q.shape[1], k.shape[1],
-                                head_dim, scale, sliding_window or 0, torch.get_num_threads())
+    rc = lib.amx_attention_bf16(
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        info.data_ptr(),
+        len(seqs),
+        tables.data_ptr() if tables is not None else None,
+        tables.stride(0) if tables is not None else 0,
+        block_size,
+        q.shape[1],
+        k.shape[1],
+        head_dim,
+        scale,
+        sliding_window or 0,
+        torch.get_num_threads(),
+    )
     if rc == -2:
         raise MemoryError("AMX attention kernel could not allocate its scratch buffers")
     if rc != 0:
-        raise ValueError(f"AMX attention kernel rejected the call (heads {q.shape[1]}/{k.shape[1]}, head_dim "
-                         f"{head_dim}, or a chunk with more query rows than keys)")
+        raise ValueError(
+            f"AMX attention kernel rejected the call (heads {q.shape[1]}/{k.shape[1]}, head_dim "
+            f"{head_dim}, or a chunk with more query rows than keys)"
+        )
     return True

@@ -63,8 +63,12 @@ def build_library(source: Path, portable: bool = False) -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *flags, "-o", tmp, str(source), "-lm"], check=True, capture_output=True,
-                           timeout=120)
+            subprocess.run(
+                [compiler, *flags, "-o", tmp, str(source), "-lm"],
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
             os.replace(tmp, target)  # atomic: workers compiling at once never load a half-written file
         except (subprocess.SubprocessError, OSError) as e:
             logger.warning("building %s failed (%s): using PyTorch instead", source.name, e)

@@ -49,9 +49,12 @@ def packing_on() -> bool:
 
 def enabled() -> bool:
     """oneDNN packing is used when torch was built with it and packing is on."""
-    return (packing_on() and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return (
+        packing_on()
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 def prepack(weight: torch.Tensor) -> PackedWeight | None:
@@ -59,7 +62,11 @@ def prepack(weight: torch.Tensor) -> PackedWeight | None:
     layout), or None where packing does not apply. One copy either way: at the M of a prefill chunk oneDNN
     is 10-20% faster than the AMX kernel, but keeping both would double the weights' memory for 1-3% of
     offline throughput (bench/RESULTS.md)."""
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2:
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or weight.dim() != 2
+    ):
         return None
     if not weight.numel() or not packing_on():
         return None

@@ -92,7 +92,9 @@ class KernelGraph:
         def call() -> None:
             rc = fn(*args)
             if rc != result:
-                raise RuntimeError(f"{name} returned {rc} on replay where the captured call returned {result}")
+                raise RuntimeError(
+                    f"{name} returned {rc} on replay where the captured call returned {result}"
+                )
 
         self.steps.append(call)
         self.num_kernel_calls += 1
@@ -119,7 +121,9 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.graph = graph
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _REJECTED or torch.Tag.nondeterministic_seeded in func.tags:
             raise GraphUnsupported(f"{func} cannot be replayed")
@@ -127,7 +131,10 @@ class _Recorder(TorchDispatchMode):
         if func in _ALLOCATIONS:
             self.graph.keepalive.append(out)
         elif not (func.is_view and _aliases_input(out, args)):
-            tree_map(lambda t: self.graph.keepalive.append(t) if isinstance(t, torch.Tensor) else None, (args, kwargs, out))
+            tree_map(
+                lambda t: self.graph.keepalive.append(t) if isinstance(t, torch.Tensor) else None,
+                (args, kwargs, out),
+            )
             self.graph._record_op(func, args, kwargs, out)
         # a view needs nothing: its memory is its input's, which is kept or lives outside the forward
         return out
@@ -140,8 +147,13 @@ def _aliases_input(out: Any, args: tuple[Any, ...]) -> bool:
     if not isinstance(first, torch.Tensor) or first.layout != torch.strided:
         return False
     ptr = first.untyped_storage().data_ptr()
-    return any(isinstance(a, torch.Tensor) and a.layout == torch.strided and not a.is_mkldnn
-               and a.untyped_storage().data_ptr() == ptr for a in args)
+    return any(
+        isinstance(a, torch.Tensor)
+        and a.layout == torch.strided
+        and not a.is_mkldnn
+        and a.untyped_storage().data_ptr() == ptr
+        for a in args
+    )
 
 
 class _RecordingCall:
@@ -189,18 +201,32 @@ class KernelGraphRunner(GraphRunner):
     The `max_graphs` most recently used sizes are kept (each keeps its forward's activations alive). If
     a capture fails, decode steps run eagerly from then on."""
 
-    def __init__(self, forward: ForwardFn, max_num_seqs: int, max_blocks_per_seq: int, pad_slot_id: int,
-                 max_graphs: int = 8) -> None:
-        super().__init__(forward, max_num_seqs, max_blocks_per_seq, "cpu",
-                         cuda_graph_sizes=kernel_graph_sizes(max_num_seqs), pad_slot_id=pad_slot_id)
+    def __init__(
+        self,
+        forward: ForwardFn,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        pad_slot_id: int,
+        max_graphs: int = 8,
+    ) -> None:
+        super().__init__(
+            forward,
+            max_num_seqs,
+            max_blocks_per_seq,
+            "cpu",
+            cuda_graph_sizes=kernel_graph_sizes(max_num_seqs),
+            pad_slot_id=pad_slot_id,
+        )
         self.max_graphs = max_graphs
         self.kernel_graphs: OrderedDict[int, KernelGraph] = OrderedDict()
         self.enabled = True
         self.num_captures = 0
 
     def capture(self) -> None:
-        logger.info("CPU decode steps are captured as kernel graphs on first use (up to %d sizes kept)",
-                    self.max_graphs)
+        logger.info(
+            "CPU decode steps are captured as kernel graphs on first use (up to %d sizes kept)",
+            self.max_graphs,
+        )
 
     def _run_static(self, size: int) -> Any:
         if not self.enabled:

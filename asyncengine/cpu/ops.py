@@ -79,8 +79,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
     return x
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """[T, hidden] -> (norm(x'), x') with x' = x + residual, or (norm(x), None) without a residual."""
     lib = _lib_for(x, weight) if residual is None else _lib_for(x, weight, residual)
     x2 = _rows(x)
@@ -93,9 +94,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual = residual.contiguous()
         new_residual = torch.empty(rows, hidden, dtype=x.dtype)
     getattr(lib, f"rms_norm_{_SUFFIX[x.dtype]}")(
-        x2.data_ptr(), x2.stride(0), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
-        out.data_ptr(), new_residual.data_ptr() if new_residual is not None else None, rows, hidden, eps,
-        torch.get_num_threads())
+        x2.data_ptr(),
+        x2.stride(0),
+        residual.data_ptr() if residual is not None else None,
+        weight.data_ptr(),
+        out.data_ptr(),
+        new_residual.data_ptr() if new_residual is not None else None,
+        rows,
+        hidden,
+        eps,
+        torch.get_num_threads(),
+    )
     return out, new_residual
 
 
@@ -107,7 +116,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     x = x.contiguous()
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, inter, dtype=x.dtype)
-    getattr(lib, f"silu_and_mul_{_SUFFIX[x.dtype]}")(x.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
+    getattr(lib, f"silu_and_mul_{_SUFFIX[x.dtype]}")(
+        x.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads()
+    )
     return out
 
 
@@ -121,8 +132,17 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int)
     rows, width = x2.shape
     out = torch.empty(rows, width, dtype=x.dtype)
     getattr(lib, f"rotary_{_SUFFIX[x.dtype]}")(
-        x2.data_ptr(), x2.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows, width // head_dim,
-        head_dim, cos.shape[-1], torch.get_num_threads())
+        x2.data_ptr(),
+        x2.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        out.data_ptr(),
+        rows,
+        width // head_dim,
+        head_dim,
+        cos.shape[-1],
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -134,29 +154,47 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     if lib is None or x2 is None or not 0 < x.shape[1] < 2**31:
         return None
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    getattr(lib, f"argmax_rows_{_SUFFIX[x.dtype]}")(x2.data_ptr(), x2.stride(0), x.shape[0], x.shape[1],
-                                                    out.data_ptr(), torch.get_num_threads())
+    getattr(lib, f"argmax_rows_{_SUFFIX[x.dtype]}")(
+        x2.data_ptr(), x2.stride(0), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()
+    )
     return out
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> bool:
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
     """k, v [T, kv_heads, head_dim] -> their slots of [num_blocks, block_size, kv_heads, head_dim] caches.
     False (nothing written) where it does not apply; IndexError for a slot outside the cache."""
     # a byte copy: any dtype works, float8 caches (kv_cache_dtype=fp8_e5m2) included
     if not _enabled or any(x.device.type != "cpu" or x.dtype != k.dtype for x in (v, k_cache, v_cache)):
         return False
     lib = load_ops_library()
-    if lib is None or slot_mapping.dtype != torch.int64 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if (
+        lib is None
+        or slot_mapping.dtype != torch.int64
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
         return False
     heads, head_dim = k.shape[1], k.shape[2]
-    if any(x.stride(2) != 1 or x.stride(1) != head_dim for x in (k, v)) or k_cache.shape[-2:] != (heads, head_dim):
+    if any(x.stride(2) != 1 or x.stride(1) != head_dim for x in (k, v)) or k_cache.shape[-2:] != (
+        heads,
+        head_dim,
+    ):
         return False
     slots = slot_mapping.contiguous()
     elem = k.element_size()
-    bad = lib.write_kv(k.data_ptr(), k.stride(0) * elem, v.data_ptr(), v.stride(0) * elem, k_cache.data_ptr(),
-                       v_cache.data_ptr(), slots.data_ptr(), k_cache.numel() // (heads * head_dim), k.shape[0],
-                       heads * head_dim * elem)
+    bad = lib.write_kv(
+        k.data_ptr(),
+        k.stride(0) * elem,
+        v.data_ptr(),
+        v.stride(0) * elem,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        k_cache.numel() // (heads * head_dim),
+        k.shape[0],
+        heads * head_dim * elem,
+    )
     if bad:
         raise IndexError(f"{bad} KV-cache slot(s) outside the cache of {k_cache.shape[0]} blocks")
     return True
@@ -180,18 +218,40 @@ def rope_write_kv(
     if lib is None or any(_rows(x) is None for x in (q, k, v)) or slot_mapping.dtype != torch.int64:
         return None
     kv_heads = k_cache.shape[-2]
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[-1] != head_dim or \
-            k.shape[1] != kv_heads * head_dim or v.shape[1] != k.shape[1] or q.shape[1] % head_dim:
+    if (
+        not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or k_cache.shape[-1] != head_dim
+        or k.shape[1] != kv_heads * head_dim
+        or v.shape[1] != k.shape[1]
+        or q.shape[1] % head_dim
+    ):
         return None
     cos, sin, slots = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous()
     rows = q.shape[0]
     q_out = torch.empty(rows, q.shape[1], dtype=q.dtype)
     k_out = torch.empty(rows, k.shape[1], dtype=k.dtype)
     bad = getattr(lib, f"rope_write_kv_{_SUFFIX[q.dtype]}")(
-        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(),
-        sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        slots.data_ptr(), k_cache.numel() // (kv_heads * head_dim), rows, q.shape[1] // head_dim, kv_heads,
-        head_dim, cos.shape[-1], torch.get_num_threads())
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        q_out.data_ptr(),
+        k_out.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        k_cache.numel() // (kv_heads * head_dim),
+        rows,
+        q.shape[1] // head_dim,
+        kv_heads,
+        head_dim,
+        cos.shape[-1],
+        torch.get_num_threads(),
+    )
     if bad:
         raise IndexError(f"{bad} KV-cache slot(s) outside the cache of {k_cache.shape[0]} blocks")
     return q_out, k_out

@@ -76,5 +76,11 @@ def param_of(exc: BaseException) -> str | None:
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     """OpenAI's error object: {"error": {"message", "type", "param", "code"}}; `param` is the offending
     request field (e.g. "temperature"), or None."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": status}}
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": status,
+        }
+    }

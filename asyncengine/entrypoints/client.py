@@ -98,8 +98,14 @@ class ServiceUnavailableError(ServerError):
     """503: the model is loading, the server is shutting down, or the engine died."""
 
 
-ERRORS: dict[int, type[ServerError]] = {400: BadRequestError, 401: AuthenticationError, 413: PayloadTooLargeError,
-                                        429: RateLimitError, 500: InternalServerError, 503: ServiceUnavailableError}
+ERRORS: dict[int, type[ServerError]] = {
+    400: BadRequestError,
+    401: AuthenticationError,
+    413: PayloadTooLargeError,
+    429: RateLimitError,
+    500: InternalServerError,
+    503: ServiceUnavailableError,
+}
 
 
 def server_error(code: int, message: str, request_id: str | None = None) -> ServerError:
@@ -115,8 +121,13 @@ class _Connection:
 
 
 class AsyncClient:
-    def __init__(self, url: str, api_key: str | None = None, open_timeout: float = 10.0,
-                 max_frame_bytes: int = 16 * 2**20) -> None:
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        open_timeout: float = 10.0,
+        max_frame_bytes: int = 16 * 2**20,
+    ) -> None:
         self.url = url
         self.api_key = api_key
         self.open_timeout = open_timeout
@@ -142,8 +153,12 @@ class AsyncClient:
                 return self._conn
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
             try:
-                ws = await connect(self.url, additional_headers=headers, open_timeout=self.open_timeout,
-                                   max_size=self.max_frame_bytes)
+                ws = await connect(
+                    self.url,
+                    additional_headers=headers,
+                    open_timeout=self.open_timeout,
+                    max_size=self.max_frame_bytes,
+                )
             except InvalidStatus as e:
                 status = e.response.status_code
                 raise server_error(status, f"server refused the websocket: HTTP {status}") from None
@@ -183,15 +198,25 @@ class AsyncClient:
                 await asyncio.gather(conn.reader, return_exceptions=True)
 
     # -- requests ---------------------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], *, max_tokens: int | None = 16, temperature: float = 1.0,
-                       request_id: str | None = None, **params: Any) -> AsyncIterator[Delta]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        *,
+        max_tokens: int | None = 16,
+        temperature: float = 1.0,
+        request_id: str | None = None,
+        **params: Any,
+    ) -> AsyncIterator[Delta]:
         """Streams the deltas of one request; `params` are SamplingParams fields (top_p, seed, stop, ...)."""
         conn = await self._connection()
         request_id = request_id or uuid.uuid4().hex
         if request_id in conn.queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        frame: dict[str, Any] = {"type": "generate", "request_id": request_id,
-                                 "params": {"max_tokens": max_tokens, "temperature": temperature, **params}}
+        frame: dict[str, Any] = {
+            "type": "generate",
+            "request_id": request_id,
+            "params": {"max_tokens": max_tokens, "temperature": temperature, **params},
+        }
         frame["prompt" if isinstance(prompt, str) else "prompt_token_ids"] = prompt
         queue: asyncio.Queue = asyncio.Queue()
         conn.queues[request_id] = queue
@@ -205,12 +230,20 @@ class AsyncClient:
                     raise item
                 kind = item.get("type")
                 if kind == "delta":
-                    yield Delta(request_id, item.get("text", ""), item.get("token_ids", []), item.get("logprobs"))
+                    yield Delta(
+                        request_id, item.get("text", ""), item.get("token_ids", []), item.get("logprobs")
+                    )
                 elif kind == "done":
                     over = True
                     u = item.get("usage") or {}
-                    yield Delta(request_id, "", [], None, item.get("finish_reason"),
-                                Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0)))
+                    yield Delta(
+                        request_id,
+                        "",
+                        [],
+                        None,
+                        item.get("finish_reason"),
+                        Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0)),
+                    )
                     return
                 elif kind == "error":
                     over = True

@@ -52,7 +52,7 @@ def parse_field(f: dataclasses.Field, raw: str) -> Any:
 # what a field's default means, where the bare value (None, a long path) would not say
 DEFAULT_TEXT = {
     "model": "the bundled default model, a few-million-parameter toy trained on Python code, served as "
-             "'default-model'",
+    "'default-model'",
     "num_threads": "the node's cores / its workers",
     "cuda_graph_sizes": "1, 2, 4, 8, then every 8 from 16 up to --max-num-seqs",
     "head_port": "none",
@@ -91,11 +91,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kind, is_tuple = _base_type(f)
         help_text = field_help(f)
         if kind is bool and not is_tuple:
-            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
+            parser.add_argument(
+                *names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
-            parser.add_argument(*names, dest=f.name, default=None, type=str, help=help_text,
-                                metavar=f.name.upper())
+            parser.add_argument(
+                *names, dest=f.name, default=None, type=str, help=help_text, metavar=f.name.upper()
+            )
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -109,6 +111,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             values[f.name] = parse_field(f, env)
     config = EngineConfig(**values)
     if not (Path(config.model) / "config.json").is_file():  # before the server binds or prints anything
-        raise ConfigError(f"{config.model} has no config.json: --model takes a HuggingFace model directory "
-                          "(config.json, *.safetensors and the tokenizer files)")
+        raise ConfigError(
+            f"{config.model} has no config.json: --model takes a HuggingFace model directory "
+            "(config.json, *.safetensors and the tokenizer files)"
+        )
     return config

@@ -38,8 +38,9 @@ class OriginPolicy:
     allowed_origins: tuple[str, ...] = ()
 
     @classmethod
-    def for_bind(cls, host: str, allowed_hosts: list[str] | None = None,
-                 allowed_origins: list[str] | None = None) -> OriginPolicy:
+    def for_bind(
+        cls, host: str, allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None
+    ) -> OriginPolicy:
         """The default for a server bound to `host`: a loopback server answers only loopback names (what
         a DNS-rebinding page cannot send); a wildcard bind any name; another address that address and the
         loopback names. `allowed_hosts` ("*" for any) replaces the default."""
@@ -57,7 +58,7 @@ class OriginPolicy:
         if not host:
             return False
         name = host.decode("latin-1").lower()
-        name = name[1:name.find("]")] if name.startswith("[") else name.rsplit(":", 1)[0]
+        name = name[1 : name.find("]")] if name.startswith("[") else name.rsplit(":", 1)[0]
         return name in self.allowed_hosts
 
     def origin_ok(self, origin: bytes | None, host: bytes | None) -> bool:
@@ -102,8 +103,9 @@ class GuardMiddleware:
             await self._refuse(scope, receive, send, "this server does not answer to that Host header", 421)
             return
         if not self.policy.origin_ok(_header(scope, b"origin"), host):
-            await self._refuse(scope, receive, send, "cross-origin requests are not allowed "
-                               "(see --allowed-origins)", 403)
+            await self._refuse(
+                scope, receive, send, "cross-origin requests are not allowed (see --allowed-origins)", 403
+            )
             return
         # a CORS preflight carries no credentials; CORSMiddleware answers it (405 without allowed origins)
         protected = scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS"
@@ -122,7 +124,9 @@ class GuardMiddleware:
         has_body = length not in (b"", b"0") or _header(scope, b"transfer-encoding") is not None
         if scope["method"] == "POST" and has_body and not _is_json(_header(scope, b"content-type")):
             # NOTE: also what keeps a page's text/plain "simple request" (no CORS preflight) out
-            await self._refuse(scope, receive, send, "send the body as JSON (Content-Type: application/json)", 415)
+            await self._refuse(
+                scope, receive, send, "send the body as JSON (Content-Type: application/json)", 415
+            )
             return
         received = 0
 
@@ -137,7 +141,9 @@ class GuardMiddleware:
         await self.app(scope, bounded_receive, send)
 
     @staticmethod
-    async def _reject_websocket(scope: Scope, receive: Receive, send: Send, message: str, status: int) -> None:
+    async def _reject_websocket(
+        scope: Scope, receive: Receive, send: Send, message: str, status: int
+    ) -> None:
         await receive()  # websocket.connect
         if "websocket.http.response" in scope.get("extensions", {}):
             await JSONResponse(error_body(message, status), status)(scope, receive, send)

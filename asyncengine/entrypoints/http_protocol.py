@@ -46,7 +46,9 @@ class ConnectionLimits:
     max_connections: int = 1024  # open connections, websockets included; requests beyond get 503
 
 
-def uvicorn_options(limits: ConnectionLimits, http: Literal["auto", "h11", "httptools"] = "auto") -> dict[str, Any]:
+def uvicorn_options(
+    limits: ConnectionLimits, http: Literal["auto", "h11", "httptools"] = "auto"
+) -> dict[str, Any]:
     """The uvicorn.Config keyword arguments that enforce `limits`."""
     return {
         "http": protocol_class(limits, http),
@@ -57,8 +59,9 @@ def uvicorn_options(limits: ConnectionLimits, http: Literal["auto", "h11", "http
     }
 
 
-def protocol_class(limits: ConnectionLimits,
-                   http: Literal["auto", "h11", "httptools"] = "auto") -> type[asyncio.Protocol]:
+def protocol_class(
+    limits: ConnectionLimits, http: Literal["auto", "h11", "httptools"] = "auto"
+) -> type[asyncio.Protocol]:
     """A protocol class for uvicorn.Config(http=...) that enforces `limits`' timeouts."""
     if http == "auto":
         http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
@@ -69,8 +72,10 @@ def protocol_class(limits: ConnectionLimits,
 def _reply_and_close(transport: asyncio.Transport, status: int, reason: str) -> None:
     """Writes a minimal response past the parser's state machine (the connection ends here) and closes."""
     body = reason.encode()
-    transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
-                    b"connection: close\r\n\r\n%s" % (status, body, len(body), body))
+    transport.write(
+        b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n%s" % (status, body, len(body), body)
+    )
     transport.close()
 
 
@@ -192,7 +197,9 @@ class _StrictH11Connection(h11.Connection):
             names = {name for name, _ in event.headers}
             if b"content-length" in names and b"transfer-encoding" in names:
                 # uvicorn answers a RemoteProtocolError with 400 and closes the connection
-                raise h11.RemoteProtocolError("both Content-Length and Transfer-Encoding", error_status_hint=400)
+                raise h11.RemoteProtocolError(
+                    "both Content-Length and Transfer-Encoding", error_status_hint=400
+                )
         return event
 
 
@@ -200,7 +207,9 @@ class H11DeadlineProtocol(_Deadlines, H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         size = self.config.h11_max_incomplete_event_size
-        self.conn = _StrictH11Connection(h11.SERVER, DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if size is None else size)
+        self.conn = _StrictH11Connection(
+            h11.SERVER, DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if size is None else size
+        )
 
     def handle_events(self) -> None:
         cycle = self.cycle

@@ -51,7 +51,9 @@ class ServeOptions:
     access_log: bool = False
     restart_workers: bool = False  # on engine death: start a new engine (True) or exit 1 (False)
     connections: ConnectionLimits = ConnectionLimits()  # header/body/keep-alive timeouts, connection cap
-    policy: OriginPolicy = OriginPolicy.for_bind("127.0.0.1")  # Host and Origin checks (OriginPolicy.for_bind)
+    policy: OriginPolicy = OriginPolicy.for_bind(
+        "127.0.0.1"
+    )  # Host and Origin checks (OriginPolicy.for_bind)
     log_stats_interval: float = DEFAULT_INTERVAL_S  # seconds between throughput lines while busy (0: none)
 
 
@@ -87,8 +89,10 @@ def _device_error(config: EngineConfig, count: int) -> str | None:
         return "--device cuda, but no CUDA device is visible"
     local = getattr(config, "nproc_per_node", config.world_size)  # workers on this node
     if count and local > count:
-        return (f"-tp {config.tensor_parallel_size} x -pp {config.pipeline_parallel_size} needs "
-                f"{local} GPUs on this node, but {count} are visible")
+        return (
+            f"-tp {config.tensor_parallel_size} x -pp {config.pipeline_parallel_size} needs "
+            f"{local} GPUs on this node, but {count} are visible"
+        )
     return None
 
 
@@ -110,8 +114,9 @@ def check_devices(config: EngineConfig) -> None:
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the engine loads so a taken port fails in a second."""
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         sock = socket.socket(family, kind, proto)
     except OSError as e:
         raise ConfigError(f"cannot resolve host {host!r}: {e}") from None
@@ -136,10 +141,17 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
     sock = bind(opts.host, opts.port)
     app = build_app(None, opts.api_key, opts.limits, opts.served_model_name, opts.policy)
     state = app.state.server
-    uv_config = uvicorn.Config(app, loop="uvloop", lifespan="off", log_level=opts.log_level,
-                               log_config=uvicorn_log_config(opts.log_level), access_log=opts.access_log,
-                               timeout_graceful_shutdown=UVICORN_CLOSE_TIMEOUT_S,
-                               ws_max_size=2 * opts.limits.max_frame_bytes, **uvicorn_options(opts.connections))
+    uv_config = uvicorn.Config(
+        app,
+        loop="uvloop",
+        lifespan="off",
+        log_level=opts.log_level,
+        log_config=uvicorn_log_config(opts.log_level),
+        access_log=opts.access_log,
+        timeout_graceful_shutdown=UVICORN_CLOSE_TIMEOUT_S,
+        ws_max_size=2 * opts.limits.max_frame_bytes,
+        **uvicorn_options(opts.connections),
+    )
     server = _Server(uv_config)
     stop, force = asyncio.Event(), asyncio.Event()
 
@@ -165,10 +177,14 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
         state.attach(engine)
         logger.info("%s", startup_line(engine, state.model_name, driver_gpu_count()))
         if opts.log_stats_interval > 0:
-            stats_task = asyncio.create_task(log_stats(lambda: state.engine, opts.log_stats_interval),
-                                             name="log-stats")
-        print(f"asyncengine serving {state.model_name} on http://{url_host(sock)} "
-              f"(ws://{url_host(sock)}/v1/ws)", flush=True)
+            stats_task = asyncio.create_task(
+                log_stats(lambda: state.engine, opts.log_stats_interval), name="log-stats"
+            )
+        print(
+            f"asyncengine serving {state.model_name} on http://{url_host(sock)} "
+            f"(ws://{url_host(sock)}/v1/ws)",
+            flush=True,
+        )
         while True:
             death = asyncio.create_task(wait_dead(engine), name="engine-watch")
             if not await _first(death, stop.wait()):

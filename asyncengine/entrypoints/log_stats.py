@@ -3,8 +3,9 @@
     ... INFO asyncengine.serve: engine ready: model default-model (/path/default-model), dtype float32,
         device cpu, parallel tp 1 x pp 1 (1 node), KV cache 256 blocks x 16 = 4096 tokens (kv float32),
         max_model_len 1024 (4.00x concurrency at that length), prefix caching on
-    ... INFO asyncengine.stats: Avg prompt throughput: 28.0 tokens/s, Avg generation throughput: 510.2 tokens/s,
-        Running: 4 seqs, Waiting: 0 seqs, KV cache usage: 12.5%, Prefix cache hit rate: 50.0%
+    ... INFO asyncengine.stats: Avg prompt throughput: 28.0 tokens/s,
+        Avg generation throughput: 510.2 tokens/s, Running: 4 seqs, Waiting: 0 seqs,
+        KV cache usage: 12.5%, Prefix cache hit rate: 50.0%
 
 The throughput line comes every interval in which tokens went through or sequences were running or
 waiting (vLLM's), and not at all while the server is idle. Nothing here imports torch.
@@ -26,8 +27,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("asyncengine.stats")
 DEFAULT_INTERVAL_S = 5.0
-_DTYPE_NAMES = {"float": "float32", "float32": "float32", "half": "float16", "float16": "float16",
-                "bfloat16": "bfloat16"}
+_DTYPE_NAMES = {
+    "float": "float32",
+    "float32": "float32",
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+}
 
 
 # -- the start-up line ----------------------------------------------------------------------------
@@ -53,7 +59,11 @@ def resolved_dtype(config: EngineConfig, hf_config: Any, device: str) -> str:
     if config.dtype != "auto":
         return config.dtype
     raw = getattr(hf_config, "dtype", None) or vars(hf_config).get("torch_dtype")
-    name = _DTYPE_NAMES.get(str(raw).removeprefix("torch."), "float32") if raw not in (None, "auto") else "float32"
+    name = (
+        _DTYPE_NAMES.get(str(raw).removeprefix("torch."), "float32")
+        if raw not in (None, "auto")
+        else "float32"
+    )
     return "bfloat16" if device == "cpu" and name == "float16" else name
 
 
@@ -66,11 +76,14 @@ def startup_line(engine: AsyncEngine, served_name: str, gpu_count: int) -> str:
     blocks = engine.executor.num_kv_blocks
     tokens = blocks * config.block_size
     nodes = f"{config.nnodes} node" + ("s" if config.nnodes > 1 else "")
-    return (f"engine ready: model {served_name} ({config.model}), dtype {dtype}, device {device}, parallel "
-            f"tp {config.tensor_parallel_size} x pp {config.pipeline_parallel_size} ({nodes}), KV cache {blocks} "
-            f"blocks x {config.block_size} = {tokens} tokens (kv {kv_dtype}), max_model_len {engine.max_model_len} "
-            f"({tokens / engine.max_model_len:.2f}x concurrency at that length), prefix caching "
-            f"{'on' if config.enable_prefix_caching else 'off'}")
+    return (
+        f"engine ready: model {served_name} ({config.model}), dtype {dtype}, device {device}, parallel "
+        f"tp {config.tensor_parallel_size} x pp {config.pipeline_parallel_size} ({nodes}), KV cache {blocks} "
+        f"blocks x {config.block_size} = {tokens} tokens (kv {kv_dtype}), "
+        f"max_model_len {engine.max_model_len} "
+        f"({tokens / engine.max_model_len:.2f}x concurrency at that length), prefix caching "
+        f"{'on' if config.enable_prefix_caching else 'off'}"
+    )
 
 
 # -- the throughput lines -------------------------------------------------------------------------
@@ -96,9 +109,11 @@ def throughput_line(prev: Reading, cur: Reading) -> str | None:
     prompt, generated = b.prompt_tokens - a.prompt_tokens, b.generation_tokens - a.generation_tokens
     if not (prompt or generated or b.running or b.waiting):
         return None
-    line = (f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s, Avg generation throughput: "
-            f"{generated / seconds:.1f} tokens/s, Running: {b.running} seqs, Waiting: {b.waiting} seqs, "
-            f"KV cache usage: {100 * b.kv_usage:.1f}%")
+    line = (
+        f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s, Avg generation throughput: "
+        f"{generated / seconds:.1f} tokens/s, Running: {b.running} seqs, Waiting: {b.waiting} seqs, "
+        f"KV cache usage: {100 * b.kv_usage:.1f}%"
+    )
     if cur.prefix_queries is not None and prev.prefix_queries is not None:
         queries = cur.prefix_queries - prev.prefix_queries
         if queries > 0:  # prompts were matched against the cache in this interval
@@ -106,7 +121,9 @@ def throughput_line(prev: Reading, cur: Reading) -> str | None:
     return line
 
 
-async def log_stats(current: Callable[[], AsyncEngine | None], interval_s: float = DEFAULT_INTERVAL_S) -> None:
+async def log_stats(
+    current: Callable[[], AsyncEngine | None], interval_s: float = DEFAULT_INTERVAL_S
+) -> None:
     """Logs throughput_line every `interval_s` while busy; `current` gives the served engine (it changes
     when --restart-workers starts a new one, whose counters start from zero). Runs until cancelled."""
     prev: tuple[AsyncEngine, Reading] | None = None

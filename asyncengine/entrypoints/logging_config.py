@@ -47,8 +47,13 @@ def uvicorn_log_config(level: str = "info") -> dict[str, Any]:
         "version": 1,
         "disable_existing_loggers": False,  # the engine's loggers exist already and must keep logging
         "formatters": {"asyncengine": {"format": LOG_FORMAT}},
-        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "asyncengine",
-                                "stream": "ext://sys.stderr"}},
+        "handlers": {
+            "stderr": {
+                "class": "logging.StreamHandler",
+                "formatter": "asyncengine",
+                "stream": "ext://sys.stderr",
+            }
+        },
         "loggers": {
             "uvicorn": {"handlers": ["stderr"], "level": level.upper(), "propagate": False},
             "uvicorn.error": {"level": level.upper()},  # propagates to "uvicorn"

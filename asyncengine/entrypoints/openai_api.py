@@ -70,14 +70,22 @@ from asyncengine.outputs import CompletionOutput, Logprob
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
 # NOTE: documents the API key for the schema only; GuardMiddleware checks it on /v1 (never raises here)
-bearer = HTTPBearer(auto_error=False, description="the server's API key (--api-key), on /v1 and /tokenize, "
-                    "/detokenize; none needed without one")
+bearer = HTTPBearer(
+    auto_error=False,
+    description="the server's API key (--api-key), on /v1 and /tokenize, "
+    "/detokenize; none needed without one",
+)
 router = APIRouter()
 STARTED = int(time.time())
 
 # -- the OpenAPI schema -----------------------------------------------------------------------------
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest,
-                                               TokenizeChatRequest, DetokenizeRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    TokenizeCompletionRequest,
+    TokenizeChatRequest,
+    DetokenizeRequest,
+)
 
 
 def request_schemas() -> dict[str, Any]:
@@ -97,9 +105,13 @@ def _body(*models: type[BaseModel]) -> dict[str, Any]:
 
 
 ERRORS = {
-    400: "an invalid request (`param` names the field)", 401: "a missing or wrong API key",
-    404: "no such model", 413: "a body over --max-body-bytes", 415: "a body that is not JSON",
-    429: "the live-request limit is reached", 503: "the model is loading, or the server shutting down",
+    400: "an invalid request (`param` names the field)",
+    401: "a missing or wrong API key",
+    404: "no such model",
+    413: "a body over --max-body-bytes",
+    415: "a body that is not JSON",
+    429: "the live-request limit is reached",
+    503: "the model is loading, or the server shutting down",
 }
 
 
@@ -109,14 +121,29 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 def _json_or_sse(model: type[BaseModel], chunk: str) -> dict[int | str, dict[str, Any]]:
     """A 200 of `model`, or with `stream: true` server-sent events of `chunk`s (or one error) and [DONE]."""
-    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
-        {"$ref": f"#/components/schemas/{chunk}"}, {"$ref": "#/components/schemas/ErrorResponse"}]}}
-    event = {"type": "object", "required": ["data"],  # OpenAPI 3.1: the schema of one event
-             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}}}
-    return {200: {"model": model,
-                  "description": f"the whole response; with `stream: true`, server-sent events, each `data:` "
-                                 f"a JSON {chunk} (or an error that ends the stream), the last `[DONE]`",
-                  "content": {"text/event-stream": {"schema": event}}}}
+    json_data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {
+            "anyOf": [
+                {"$ref": f"#/components/schemas/{chunk}"},
+                {"$ref": "#/components/schemas/ErrorResponse"},
+            ]
+        },
+    }
+    event = {
+        "type": "object",
+        "required": ["data"],  # OpenAPI 3.1: the schema of one event
+        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
+    }
+    return {
+        200: {
+            "model": model,
+            "description": f"the whole response; with `stream: true`, server-sent events, each `data:` "
+            f"a JSON {chunk} (or an error that ends the stream), the last `[DONE]`",
+            "content": {"text/event-stream": {"schema": event}},
+        }
+    }
 
 
 GENERATE_ERRORS = _errors(400, 401, 404, 413, 415, 429, 503)
@@ -128,19 +155,22 @@ def _state(request: Request) -> ServerState:
 
 def _check_model(state: ServerState, engine: AsyncEngine, model: str | None) -> str:
     if model not in (None, "", state.model_name, engine.config.model):
-        raise ApiError(f"the model {model!r} does not exist; this server serves {state.model_name!r}", 404,
-                       param="model")
+        raise ApiError(
+            f"the model {model!r} does not exist; this server serves {state.model_name!r}", 404, param="model"
+        )
     return state.model_name
 
 
 def _card(state: ServerState, engine: AsyncEngine) -> ModelCard:
     # NOTE: `root` is the served name, not the model's path: the server's file layout stays private
-    return ModelCard(id=state.model_name, created=STARTED, root=state.model_name,
-                     max_model_len=engine.max_model_len)
+    return ModelCard(
+        id=state.model_name, created=STARTED, root=state.model_name, max_model_len=engine.max_model_len
+    )
 
 
-@router.get("/v1/models", response_model=ModelList, responses=_errors(401, 503),
-            dependencies=[Depends(bearer)])
+@router.get(
+    "/v1/models", response_model=ModelList, responses=_errors(401, 503), dependencies=[Depends(bearer)]
+)
 async def list_models(request: Request) -> Response:
     """The served model (one)."""
     state = _state(request)
@@ -148,15 +178,22 @@ async def list_models(request: Request) -> Response:
     return JSONResponse(ModelList(data=[_card(state, engine)]).model_dump(mode="json"))
 
 
-@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(401, 404, 503),
-            dependencies=[Depends(bearer)])
+@router.get(
+    "/v1/models/{model_id:path}",
+    response_model=ModelCard,
+    responses=_errors(401, 404, 503),
+    dependencies=[Depends(bearer)],
+)
 async def retrieve_model(model_id: str, request: Request) -> Response:
     """The served model's card; 404 for another id."""
     state = _state(request)
     engine = state.require_engine()
     if model_id != state.model_name:
-        raise ApiError(f"the model {model_id!r} does not exist; this server serves {state.model_name!r}", 404,
-                       param="model")
+        raise ApiError(
+            f"the model {model_id!r} does not exist; this server serves {state.model_name!r}",
+            404,
+            param="model",
+        )
     return JSONResponse(_card(state, engine).model_dump(mode="json"))
 
 
@@ -178,8 +215,11 @@ def encode_prompt(engine: AsyncEngine, prompt: str, add_special_tokens: bool) ->
     """A prompt's token ids (slow on long prompts: call it in a thread), bounded as the engine's are."""
     tok = _tokenizer(engine)
     if len(prompt) > engine.max_prompt_chars:
-        raise ApiError(f"the prompt has {len(prompt)} characters, more than max_model_len "
-                       f"({engine.max_model_len}) tokens can hold", param="prompt")
+        raise ApiError(
+            f"the prompt has {len(prompt)} characters, more than max_model_len "
+            f"({engine.max_model_len}) tokens can hold",
+            param="prompt",
+        )
     try:
         return list(tok.encode(prompt, add_special_tokens=add_special_tokens))
     except TypeError:  # the Rust tokenizer refuses what UTF-8 cannot hold: lone surrogates ("\ud800")
@@ -194,15 +234,20 @@ def _has_messages(body: bytes) -> bool:
     return isinstance(data, dict) and "messages" in data
 
 
-@router.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 401, 404, 413, 415, 503),
-             openapi_extra=_body(TokenizeCompletionRequest, TokenizeChatRequest),
-             dependencies=[Depends(bearer), Depends(_require_key)])
+@router.post(
+    "/tokenize",
+    response_model=TokenizeResponse,
+    responses=_errors(400, 401, 404, 413, 415, 503),
+    openapi_extra=_body(TokenizeCompletionRequest, TokenizeChatRequest),
+    dependencies=[Depends(bearer), Depends(_require_key)],
+)
 async def tokenize(request: Request) -> Response:
     """vLLM's: a prompt's token ids, or those of chat messages through the chat template."""
     state = _state(request)
     body = await request.body()
     req: TokenizeChatRequest | TokenizeCompletionRequest = parse_request(
-        TokenizeChatRequest if _has_messages(body) else TokenizeCompletionRequest, body)
+        TokenizeChatRequest if _has_messages(body) else TokenizeCompletionRequest, body
+    )
     engine = state.require_engine()
     _check_model(state, engine, req.model)
     if isinstance(req, TokenizeChatRequest):
@@ -217,9 +262,13 @@ async def tokenize(request: Request) -> Response:
     return JSONResponse(out.model_dump(mode="json"))
 
 
-@router.post("/detokenize", response_model=DetokenizeResponse,
-             responses=_errors(400, 401, 404, 413, 415, 503), openapi_extra=_body(DetokenizeRequest),
-             dependencies=[Depends(bearer), Depends(_require_key)])
+@router.post(
+    "/detokenize",
+    response_model=DetokenizeResponse,
+    responses=_errors(400, 401, 404, 413, 415, 503),
+    openapi_extra=_body(DetokenizeRequest),
+    dependencies=[Depends(bearer), Depends(_require_key)],
+)
 async def detokenize(request: Request) -> Response:
     """vLLM's: the text of token ids."""
     state = _state(request)
@@ -285,18 +334,32 @@ def chat_logprobs(c: CompletionOutput, engine: AsyncEngine, top_n: int) -> ChatL
         sampled = table.get(token_id)
         text = _token_text(token_id, sampled, engine)
         top = sorted(table.items(), key=lambda kv: kv[1].rank)[:top_n]
-        content.append(TokenLogprob(
-            token=text, logprob=clamp(sampled.logprob) if sampled else MIN_LOGPROB, bytes=list(text.encode()),
-            top_logprobs=[TopLogprob(token=(s := _token_text(t, lp, engine)), logprob=clamp(lp.logprob),
-                                     bytes=list(s.encode())) for t, lp in top]))
+        content.append(
+            TokenLogprob(
+                token=text,
+                logprob=clamp(sampled.logprob) if sampled else MIN_LOGPROB,
+                bytes=list(text.encode()),
+                top_logprobs=[
+                    TopLogprob(
+                        token=(s := _token_text(t, lp, engine)),
+                        logprob=clamp(lp.logprob),
+                        bytes=list(s.encode()),
+                    )
+                    for t, lp in top
+                ],
+            )
+        )
     return ChatLogprobs(content=content)
 
 
-
 # -- /v1/completions --------------------------------------------------------------------------------
-@router.post("/v1/completions", response_model=CompletionResponse,
-             responses=_json_or_sse(CompletionResponse, "CompletionResponse") | GENERATE_ERRORS,
-             openapi_extra=_body(CompletionRequest), dependencies=[Depends(bearer)])
+@router.post(
+    "/v1/completions",
+    response_model=CompletionResponse,
+    responses=_json_or_sse(CompletionResponse, "CompletionResponse") | GENERATE_ERRORS,
+    openapi_extra=_body(CompletionRequest),
+    dependencies=[Depends(bearer)],
+)
 async def completions(request: Request) -> Response:
     """OpenAI's (legacy) completions, with vLLM's sampling extras."""
     state = _state(request)
@@ -305,13 +368,26 @@ async def completions(request: Request) -> Response:
     model = _check_model(state, engine, req.model)
     params = req.sampling_params()
     prompts = req.prompts()
-    return await _serve(request, state, engine, prompts, params, f"cmpl-{uuid.uuid4().hex}", model,
-                        req.include_usage, _CompletionFormat(engine, req.logprobs is not None, req.return_token_ids))
+    return await _serve(
+        request,
+        state,
+        engine,
+        prompts,
+        params,
+        f"cmpl-{uuid.uuid4().hex}",
+        model,
+        req.include_usage,
+        _CompletionFormat(engine, req.logprobs is not None, req.return_token_ids),
+    )
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-             responses=_json_or_sse(ChatCompletionResponse, "ChatCompletionChunk") | GENERATE_ERRORS,
-             openapi_extra=_body(ChatCompletionRequest), dependencies=[Depends(bearer)])
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses=_json_or_sse(ChatCompletionResponse, "ChatCompletionChunk") | GENERATE_ERRORS,
+    openapi_extra=_body(ChatCompletionRequest),
+    dependencies=[Depends(bearer)],
+)
 async def chat_completions(request: Request) -> Response:
     """OpenAI's chat completions (text only), with vLLM's sampling and chat-template extras."""
     state = _state(request)
@@ -322,15 +398,27 @@ async def chat_completions(request: Request) -> Response:
     # a template over long messages and their tokenizing take a while: off the loop, other streams go on
     prompt = await asyncio.to_thread(render_chat, engine, req)
     fmt = _ChatFormat(engine, req.top_logprobs or 0 if req.logprobs else None)
-    return await _serve(request, state, engine, [prompt], params, f"chatcmpl-{uuid.uuid4().hex}", model,
-                        req.include_usage, fmt)
+    return await _serve(
+        request,
+        state,
+        engine,
+        [prompt],
+        params,
+        f"chatcmpl-{uuid.uuid4().hex}",
+        model,
+        req.include_usage,
+        fmt,
+    )
 
 
 def render_chat(engine: AsyncEngine, req: ChatTemplateFields) -> list[int]:
-    """The prompt token ids from the tokenizer's chat template (slow on long messages: call it in a thread)."""
+    """The prompt token ids from the tokenizer's chat template (slow on long messages: call it in a
+    thread)."""
     tok = engine.tokenizer
     if tok is None:
-        raise ApiError("this model has no tokenizer, so chat is unavailable: use /v1/completions with token ids")
+        raise ApiError(
+            "this model has no tokenizer, so chat is unavailable: use /v1/completions with token ids"
+        )
     if not getattr(tok, "chat_template", None):
         raise ApiError("this model's tokenizer has no chat template: use /v1/completions")
     messages = [m.as_template_input() for m in req.messages]
@@ -339,11 +427,15 @@ def render_chat(engine: AsyncEngine, req: ChatTemplateFields) -> list[int]:
         kwargs["continue_final_message"] = True
     chars = template_chars(messages) + len(json.dumps(kwargs, default=str))
     if chars > engine.max_prompt_chars:
-        raise ApiError(f"the messages have {chars} characters, more than max_model_len "
-                       f"({engine.max_model_len}) tokens can hold", param="messages")
+        raise ApiError(
+            f"the messages have {chars} characters, more than max_model_len "
+            f"({engine.max_model_len}) tokens can hold",
+            param="messages",
+        )
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False,
-                                       **kwargs)
+        text = tok.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, tokenize=False, **kwargs
+        )
     except Exception as e:  # jinja raises anything (templates call raise_exception on bad roles)
         raise ApiError(f"cannot apply the chat template: {e}", param="messages") from None
     # NOTE: the template already wrote any BOS; encoding with special tokens (by default) would add another
@@ -353,9 +445,17 @@ def render_chat(engine: AsyncEngine, req: ChatTemplateFields) -> list[int]:
         raise ApiError("the messages are not valid Unicode (a lone surrogate?)", param="messages") from None
 
 
-async def _serve(request: Request, state: ServerState, engine: AsyncEngine, prompts: list[Prompt],
-                 params: SamplingParams, request_id: str, model: str, include_usage: bool,
-                 fmt: _Format) -> Response:
+async def _serve(
+    request: Request,
+    state: ServerState,
+    engine: AsyncEngine,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    request_id: str,
+    model: str,
+    include_usage: bool,
+    fmt: _Format,
+) -> Response:
     """Runs the prompts and answers with one JSON body, or SSE when params stream deltas."""
     slots = state.acquire(len(prompts))
     created = int(time.time())
@@ -372,12 +472,24 @@ async def _serve(request: Request, state: ServerState, engine: AsyncEngine, prom
     except BaseException:
         state.release(slots)
         raise
-    return SSEResponse(_events(state, slots, streams, request_id, created, model, params.n, include_usage, fmt),
-                       state.limits, request_id)
+    return SSEResponse(
+        _events(state, slots, streams, request_id, created, model, params.n, include_usage, fmt),
+        state.limits,
+        request_id,
+    )
 
 
-async def _events(state: ServerState, slots: int, streams: list, request_id: str, created: int, model: str,
-                  n: int, include_usage: bool, fmt: _Format) -> AsyncIterator[str]:
+async def _events(
+    state: ServerState,
+    slots: int,
+    streams: list,
+    request_id: str,
+    created: int,
+    model: str,
+    n: int,
+    include_usage: bool,
+    fmt: _Format,
+) -> AsyncIterator[str]:
     finished: set[int] = set()
     prompt_tokens: dict[int, int] = {}
     completion_tokens = 0
@@ -443,25 +555,45 @@ class _CompletionFormat(_Format):
 
     def full(self, request_id: str, created: int, model: str, finals: list, n: int) -> CompletionResponse:
         ids = self.token_ids
-        choices = [CompletionChoice(index=i * n + c.index, text=c.text, logprobs=self._lp(i * n + c.index, c),
-                                    finish_reason=c.finish_reason, token_ids=list(c.token_ids) if ids else None,
-                                    prompt_token_ids=list(out.prompt_token_ids) if ids else None)
-                   for i, out in enumerate(finals) for c in out.outputs]
+        choices = [
+            CompletionChoice(
+                index=i * n + c.index,
+                text=c.text,
+                logprobs=self._lp(i * n + c.index, c),
+                finish_reason=c.finish_reason,
+                token_ids=list(c.token_ids) if ids else None,
+                prompt_token_ids=list(out.prompt_token_ids) if ids else None,
+            )
+            for i, out in enumerate(finals)
+            for c in out.outputs
+        ]
         prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
         completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
         choices.sort(key=lambda ch: ch.index)
-        return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=usage(prompt_tokens, completion_tokens))
+        return CompletionResponse(
+            id=request_id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=usage(prompt_tokens, completion_tokens),
+        )
 
     def chunk(self, request_id: str, created: int, model: str, index: int, c: CompletionOutput) -> str:
-        choice = CompletionChoice(index=index, text=c.text, logprobs=self._lp(index, c),
-                                  finish_reason=c.finish_reason, token_ids=list(c.token_ids) if self.token_ids else None)
-        return CompletionResponse(id=request_id, created=created, model=model,
-                                  choices=[choice]).model_dump_json()
+        choice = CompletionChoice(
+            index=index,
+            text=c.text,
+            logprobs=self._lp(index, c),
+            finish_reason=c.finish_reason,
+            token_ids=list(c.token_ids) if self.token_ids else None,
+        )
+        return CompletionResponse(
+            id=request_id, created=created, model=model, choices=[choice]
+        ).model_dump_json()
 
     def usage_chunk(self, request_id: str, created: int, model: str, total: Any) -> str:
-        return CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                  usage=total).model_dump_json()
+        return CompletionResponse(
+            id=request_id, created=created, model=model, choices=[], usage=total
+        ).model_dump_json()
 
 
 class _ChatFormat(_Format):
@@ -476,21 +608,36 @@ class _ChatFormat(_Format):
 
     def full(self, request_id: str, created: int, model: str, finals: list, n: int) -> ChatCompletionResponse:
         out = finals[0]
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=self._lp(c),
-                              finish_reason=c.finish_reason) for c in out.outputs]
-        return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                      usage=usage(len(out.prompt_token_ids),
-                                                  sum(len(c.token_ids) for c in out.outputs)))
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=self._lp(c),
+                finish_reason=c.finish_reason,
+            )
+            for c in out.outputs
+        ]
+        return ChatCompletionResponse(
+            id=request_id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)),
+        )
 
     def chunk(self, request_id: str, created: int, model: str, index: int, c: CompletionOutput) -> str:
         delta = {"content": c.text}
         if index not in self.started:  # the first chunk of a choice names the role
             self.started.add(index)
             delta = {"role": "assistant", "content": c.text}
-        choice = ChatStreamChoice(index=index, delta=delta, logprobs=self._lp(c), finish_reason=c.finish_reason)
-        return ChatCompletionChunk(id=request_id, created=created, model=model,
-                                   choices=[choice]).model_dump_json()
+        choice = ChatStreamChoice(
+            index=index, delta=delta, logprobs=self._lp(c), finish_reason=c.finish_reason
+        )
+        return ChatCompletionChunk(
+            id=request_id, created=created, model=model, choices=[choice]
+        ).model_dump_json()
 
     def usage_chunk(self, request_id: str, created: int, model: str, total: Any) -> str:
-        return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                   usage=total).model_dump_json()
+        return ChatCompletionChunk(
+            id=request_id, created=created, model=model, choices=[], usage=total
+        ).model_dump_json()

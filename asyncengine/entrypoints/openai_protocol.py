@@ -56,11 +56,22 @@ class StreamOptions(RequestModel):
 
 # vLLM's extras this server does not implement, shared by both endpoints, at their neutral values
 _VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False,), "length_penalty": (1.0,), "spaces_between_special_tokens": (True,),
-    "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
-    "prompt_logprobs": (None,), "logits_processors": (None, []), "return_tokens_as_token_ids": (None, False),
-    "priority": (0,), "cache_salt": (None,), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "prompt_logprobs": (None,),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "priority": (0,),
+    "cache_salt": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
 }
 
 
@@ -119,16 +130,27 @@ class SamplingFields(RequestModel):
 
     def to_params(self, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
         fields: dict[str, Any] = {
-            "n": 1 if self.n is None else self.n, "max_tokens": max_tokens, "min_tokens": self.min_tokens,
-            "seed": self.seed, "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
-            "include_stop_str_in_output": self.include_stop_str_in_output, "logprobs": logprobs,
+            "n": 1 if self.n is None else self.n,
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logprobs": logprobs,
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             "stop_token_ids": list(self.stop_token_ids or []),
             "output_kind": OutputKind.DELTA if stream else OutputKind.FINAL_ONLY,
         }
-        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                    "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-                    "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
+        optional = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+        }
         fields.update({k: v for k, v in optional.items() if v is not None})
         try:
             return SamplingParams(**fields)
@@ -143,8 +165,13 @@ class SamplingFields(RequestModel):
 
 
 class CompletionRequest(SamplingFields):
-    NEUTRAL = {**_VLLM_NEUTRAL, "echo": (None, False), "suffix": (None, ""), "add_special_tokens": (True,),
-               "response_format": (None, {"type": "text"})}
+    NEUTRAL = {
+        **_VLLM_NEUTRAL,
+        "echo": (None, False),
+        "suffix": (None, ""),
+        "add_special_tokens": (True,),
+        "response_format": (None, {"type": "text"}),
+    }
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # strict: `true` is no token id
     max_tokens: int | None = 16
@@ -236,8 +263,9 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
 
 def template_chars(messages: list[dict[str, Any]]) -> int:
     """About how many characters the messages put into the template (what bounds its cost)."""
-    return sum(len(m["content"]) + (len(json.dumps(m["tool_calls"])) if "tool_calls" in m else 0)
-               for m in messages)
+    return sum(
+        len(m["content"]) + (len(json.dumps(m["tool_calls"])) if "tool_calls" in m else 0) for m in messages
+    )
 
 
 class ChatTemplateFields(RequestModel):
@@ -255,29 +283,54 @@ class ChatTemplateFields(RequestModel):
     def template_kwargs(self) -> dict[str, Any]:
         """The template's extra variables; never one that would steer apply_chat_template itself."""
         if self.continue_final_message and self.add_generation_prompt:
-            raise ApiError("continue_final_message and add_generation_prompt cannot both be true",
-                           param="continue_final_message")
+            raise ApiError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
         kwargs = dict(self.chat_template_kwargs or {})
         reserved = sorted(RESERVED_TEMPLATE_ARGS & kwargs.keys())
         if reserved:
-            raise ApiError(f"chat_template_kwargs may not set {', '.join(reserved)}",
-                           param="chat_template_kwargs")
+            raise ApiError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
+            )
         return kwargs
 
 
 # apply_chat_template's own arguments (and the message list): not template variables a request may set
-RESERVED_TEMPLATE_ARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
+RESERVED_TEMPLATE_ARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     NEUTRAL = {
-        **_VLLM_NEUTRAL, "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,),
-        "modalities": (None, ["text"]), "web_search_options": (None,), "moderation": (None,),
-        "chat_template": (None,), "documents": (None,), "echo": (False,), "return_token_ids": (None, False),
+        **_VLLM_NEUTRAL,
+        "functions": (None, []),
+        "function_call": (None, "none", "auto"),
+        "audio": (None,),
+        "modalities": (None, ["text"]),
+        "web_search_options": (None,),
+        "moderation": (None,),
+        "chat_template": (None,),
+        "documents": (None,),
+        "echo": (False,),
+        "return_token_ids": (None, False),
         "best_of": (None, 1),
     }
 
@@ -318,7 +371,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
         if self.tool_choice not in (None, "none", "auto"):
             raise ApiError("tool_choice is not supported (there are no tools)", param="tool_choice")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ApiError("only response_format {\"type\": \"text\"} is supported", param="response_format")
+            raise ApiError('only response_format {"type": "text"} is supported', param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -371,8 +424,11 @@ class UsageInfo(BaseModel):
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
 
 
 class CompletionLogprobs(BaseModel):

@@ -55,48 +55,77 @@ def docs_page(schema: dict[str, Any]) -> str:
     for path, ops in schema.get("paths", {}).items():
         for method, op in ops.items():
             summary = (op.get("description") or op.get("summary") or "").strip().splitlines()
-            cells = (f"<code>{html.escape(method.upper())}</code>", f"<code>{html.escape(path)}</code>",
-                     html.escape(summary[0] if summary else ""))
+            cells = (
+                f"<code>{html.escape(method.upper())}</code>",
+                f"<code>{html.escape(path)}</code>",
+                html.escape(summary[0] if summary else ""),
+            )
             rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     info = schema.get("info", {})
     title = html.escape(f"{info.get('title', '')} {info.get('version', '')}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head><body>"
-            f"<h1>{title}</h1><p>The OpenAPI schema: <a href='/openapi.json'>/openapi.json</a> (load it into "
-            "any OpenAPI viewer or client generator). The websocket <code>/v1/ws</code> is described in the "
-            "README.</p><table><tr><th>method</th><th>path</th><th></th></tr>" + "".join(rows)
-            + "</table></body></html>")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head><body>"
+        f"<h1>{title}</h1><p>The OpenAPI schema: <a href='/openapi.json'>/openapi.json</a> (load it into "
+        "any OpenAPI viewer or client generator). The websocket <code>/v1/ws</code> is described in the "
+        "README.</p><table><tr><th>method</th><th>path</th><th></th></tr>"
+        + "".join(rows)
+        + "</table></body></html>"
+    )
 
 
-def build_app(engine: AsyncEngine | None = None, api_key: str | None = None,
-              limits: ServerLimits | None = None, model_name: str | None = None,
-              policy: OriginPolicy | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine | None = None,
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
+    model_name: str | None = None,
+    policy: OriginPolicy | None = None,
+) -> FastAPI:
     """The server app; `app.state.server` is its ServerState (attach the engine there when it is ready)."""
 
     state = ServerState(engine, api_key, limits or ServerLimits(), model_name)
     # NOTE: /docs is our own page (Swagger UI needs a CDN); /openapi.json, like /health, needs no API key
-    app = FastAPI(title="asyncengine", version=_version(), docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json",
-                  description="An OpenAI-compatible server (plus vLLM's extras); the websocket /v1/ws streams "
-                              "many requests over one connection.")
+    app = FastAPI(
+        title="asyncengine",
+        version=_version(),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        description="An OpenAI-compatible server (plus vLLM's extras); the websocket /v1/ws streams "
+        "many requests over one connection.",
+    )
     app.state.server = state
     app.include_router(openai_router)
     app.add_api_websocket_route("/v1/ws", websocket_endpoint)
     policy = policy or OriginPolicy()
     if policy.allowed_origins:  # pages of these origins may read responses too (CORS), after the guard
-        app.add_middleware(CORSMiddleware, allow_origins=list(policy.allowed_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(policy.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.add_middleware(GuardMiddleware, state=state, policy=policy)
 
-    @app.get("/health", response_model=HealthResponse,
-             responses={503: {"model": HealthResponse, "description": "loading, shutting down or dead"}})
+    @app.get(
+        "/health",
+        response_model=HealthResponse,
+        responses={503: {"model": HealthResponse, "description": "loading, shutting down or dead"}},
+    )
     async def health() -> Response:
         """200 while serving; 503 while loading, shutting down, or dead (the status says which)."""
         status = state.health()
         return JSONResponse({"status": status}, 200 if status == "ok" else 503)
 
-    @app.get("/metrics", response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
-                              "description": "Prometheus' text format"}})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+                "description": "Prometheus' text format",
+            }
+        },
+    )
     async def metrics() -> Response:
         """Prometheus metrics (vLLM's names with an `asyncengine:` prefix, labelled with `model_name`)."""
         engine = state.engine
@@ -109,8 +138,9 @@ def build_app(engine: AsyncEngine | None = None, api_key: str | None = None,
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                                 routes=app.routes)
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
             schema.setdefault("components", {}).setdefault("schemas", {}).update(request_schemas())
             for ops in schema.get("paths", {}).values():  # invalid requests are answered 400, never 422
                 for op in ops.values():
@@ -130,16 +160,20 @@ def build_app(engine: AsyncEngine | None = None, api_key: str | None = None,
         return error_response(validation_error(exc))
 
     async def on_http(request: Request, exc: Any) -> Response:
-        return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(str(exc.detail), exc.status_code),
+            exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     from starlette.requests import ClientDisconnect
 
     async def on_client_disconnect(request: Request, exc: Exception) -> Response:
         # the client closed the connection (or missed --timeout-body) mid-body: a client event, not a
         # server error; the response goes nowhere
-        logger.info("%s %s: connection closed before the whole request body arrived", request.method,
-                    request.url.path)
+        logger.info(
+            "%s %s: connection closed before the whole request body arrived", request.method, request.url.path
+        )
         return Response(status_code=400)
 
     app.add_exception_handler(ApiError, on_error)

@@ -27,8 +27,9 @@ class ServerLimits:
 class ServerState:
     """What the routes share: the engine (None while loading), limits, the API key, live-request count."""
 
-    def __init__(self, engine: AsyncEngine | None, api_key: str | None, limits: ServerLimits,
-                 model_name: str | None) -> None:
+    def __init__(
+        self, engine: AsyncEngine | None, api_key: str | None, limits: ServerLimits, model_name: str | None
+    ) -> None:
         self.engine: AsyncEngine | None = None
         self.api_key = api_key
         self.limits = limits
@@ -71,8 +72,10 @@ class ServerState:
     def acquire(self, count: int = 1) -> int:
         """Takes `count` slots of the global live-request limit (429 when they are not free)."""
         if self.live + count > self.limits.max_live_requests:
-            raise TooManyRequestsError(f"the server has {self.live} live requests "
-                                       f"(limit {self.limits.max_live_requests}); retry later")
+            raise TooManyRequestsError(
+                f"the server has {self.live} live requests "
+                f"(limit {self.limits.max_live_requests}); retry later"
+            )
         self.live += count
         self._idle.clear()
         return count

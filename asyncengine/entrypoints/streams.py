@@ -28,7 +28,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM clamps the same way
 NOT_READING = "client is not reading its output"
-CLOSE_GRACE_S = 10.0  # for a client found not reading to take the end of its response (websocket: close frame)
+CLOSE_GRACE_S = (
+    10.0  # for a client found not reading to take the end of its response (websocket: close frame)
+)
 
 
 def stall_check_interval(timeout: float) -> float | None:
@@ -50,8 +52,9 @@ async def _prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> 
         await rest.aclose()  # type: ignore[attr-defined]  # aborts the request when left early
 
 
-async def open_streams(engine: AsyncEngine, prompts: list[Prompt], params: SamplingParams,
-                       request_id: str) -> list[AsyncIterator[RequestOutput]]:
+async def open_streams(
+    engine: AsyncEngine, prompts: list[Prompt], params: SamplingParams, request_id: str
+) -> list[AsyncIterator[RequestOutput]]:
     """Adds every prompt and waits for its first output, so validation errors raise here, not mid-stream."""
     gens = [engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
     tasks = [asyncio.ensure_future(anext(g)) for g in gens]
@@ -110,11 +113,14 @@ async def collect(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return last
 
 
-async def generate_all(engine: AsyncEngine, prompts: list[Prompt], params: SamplingParams,
-                       request_id: str) -> list[RequestOutput]:
+async def generate_all(
+    engine: AsyncEngine, prompts: list[Prompt], params: SamplingParams, request_id: str
+) -> list[RequestOutput]:
     """The final output of every prompt, in order; one failure (or a cancel) aborts all the others."""
-    tasks = [asyncio.ensure_future(collect(engine.generate(p, params, f"{request_id}-{i}")))
-             for i, p in enumerate(prompts)]
+    tasks = [
+        asyncio.ensure_future(collect(engine.generate(p, params, f"{request_id}-{i}")))
+        for i, p in enumerate(prompts)
+    ]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
@@ -154,9 +160,14 @@ class SSEResponse(StreamingResponse):
     response ends with an in-band error, if the client takes it within CLOSE_GRACE_S.
     """
 
-    def __init__(self, content: AsyncIterator[str], limits: ServerLimits | None = None, name: str = "") -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(
+        self, content: AsyncIterator[str], limits: ServerLimits | None = None, name: str = ""
+    ) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self.limits = limits or ServerLimits()
         self.name = name  # for the log
         self.outbox: deque[bytes] = deque()
@@ -224,8 +235,9 @@ class SSEResponse(StreamingResponse):
         loop = asyncio.get_running_loop()
         waiting = {sender, pump}
         while self.stopped is None:
-            done, _ = await asyncio.wait(waiting, timeout=stall_check_interval(timeout),
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                waiting, timeout=stall_check_interval(timeout), return_when=asyncio.FIRST_COMPLETED
+            )
             if sender in done or (pump in done and (pump.cancelled() or pump.exception() is not None)):
                 return
             waiting -= done  # the generator ended: wait for the sender to send the rest
@@ -242,8 +254,9 @@ class SSEResponse(StreamingResponse):
             self.sender.cancel()
 
     async def _end_not_reading(self, send: Send) -> None:
-        logger.info("SSE response %s: %s (%s): aborted its requests, ending it", self.name, NOT_READING,
-                    self.stopped)
+        logger.info(
+            "SSE response %s: %s (%s): aborted its requests, ending it", self.name, NOT_READING, self.stopped
+        )
         end = sse(json.dumps(error_body(NOT_READING, 408))) + "data: [DONE]\n\n"
         try:
             # NOTE: uvicorn writes nothing until the client drains some of what it has not read; past the

@@ -6,7 +6,8 @@ client -> server  {"type": "generate", "request_id": "r1", "prompt": "..." | "pr
 server -> client  {"type": "delta", "request_id": "r1", "text": "...", "token_ids": [...], "logprobs"?: [...]}
                   {"type": "done", "request_id": "r1", "finish_reason": "stop" | "length" | "abort",
                    "usage": {"prompt_tokens": N, "completion_tokens": M}}
-                  {"type": "error", "request_id": "r1" | null, "code": 400 | 413 | 429 | 500 | 503, "message": "..."}
+                  {"type": "error", "request_id": "r1" | null, "code": 400 | 413 | 429 | 500 | 503,
+                   "message": "..."}
 
 Each request runs in its own task and puts frames on the connection's outbox; one writer task sends
 them, so frames never interleave. A request id stays taken until its `done` or `error` frame.
@@ -107,13 +108,15 @@ class Connection:
             await self._on_frame(message.get("text"), message.get("bytes"))
 
     async def _watch(self, reader: asyncio.Task, writer: asyncio.Task) -> None:
-        """Returns when the client disconnects, the writer stops, or one send has waited past the stall timeout
-        (uvicorn's send waits while the socket's buffers are full, i.e. while the client is not reading)."""
+        """Returns when the client disconnects, the writer stops, or one send has waited past the stall
+        timeout (uvicorn's send waits while the socket's buffers are full, i.e. while the client is not
+        reading)."""
         timeout = self.state.limits.send_stall_timeout
         loop = asyncio.get_running_loop()
         while self.stopped is None:
-            done, _ = await asyncio.wait({reader, writer}, timeout=stall_check_interval(timeout),
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {reader, writer}, timeout=stall_check_interval(timeout), return_when=asyncio.FIRST_COMPLETED
+            )
             if done:
                 return
             since = self.sending_since
@@ -145,7 +148,9 @@ class Connection:
         self.unsent += len(text)  # bytes: json.dumps escapes non-ASCII
         self.wake.set()
         if self.unsent > self.state.limits.max_unsent_bytes:
-            self._stop(f"{self.unsent} bytes unsent, over the {self.state.limits.max_unsent_bytes} byte limit")
+            self._stop(
+                f"{self.unsent} bytes unsent, over the {self.state.limits.max_unsent_bytes} byte limit"
+            )
 
     def _stop(self, why: str) -> None:
         """The client is not reading: drop its unsent output now, and wake run() to abort and close."""
@@ -156,8 +161,13 @@ class Connection:
             self.writer.cancel()
 
     async def _close_not_reading(self, aborted: int) -> None:
-        logger.info("websocket %s: %s (%s): aborted its %d requests, closing it", self.id, NOT_READING,
-                    self.stopped, aborted)
+        logger.info(
+            "websocket %s: %s (%s): aborted its %d requests, closing it",
+            self.id,
+            NOT_READING,
+            self.stopped,
+            aborted,
+        )
         try:
             # NOTE: uvicorn writes nothing, the close frame included, until the client drains some of what it
             # has not read; past the grace uvicorn closes the socket (after the kernel flushes the rest)
@@ -168,7 +178,12 @@ class Connection:
     def send_error(self, request_id: str | None, exc: BaseException) -> None:
         if status_of(exc) == 500:
             logger.error("websocket request %s failed", request_id, exc_info=exc)
-        frame = {"type": "error", "request_id": request_id, "code": status_of(exc), "message": message_of(exc)}
+        frame = {
+            "type": "error",
+            "request_id": request_id,
+            "code": status_of(exc),
+            "message": message_of(exc),
+        }
         if (param := param_of(exc)) is not None:
             frame["param"] = param  # the offending field, as in OpenAI's error bodies
         self.send(frame)
@@ -205,8 +220,10 @@ class Connection:
         if request_id in self.live:
             raise ApiError(f"request id {request_id!r} is already live on this connection")
         if len(self.live) >= self.state.limits.max_live_per_connection:
-            raise TooManyRequestsError(f"this connection has {len(self.live)} live requests "
-                                       f"(limit {self.state.limits.max_live_per_connection})")
+            raise TooManyRequestsError(
+                f"this connection has {len(self.live)} live requests "
+                f"(limit {self.state.limits.max_live_per_connection})"
+            )
         prompt = parse_prompt(frame)
         raw = frame.get("params", {})
         if not isinstance(raw, dict):
@@ -237,8 +254,9 @@ class Connection:
             await engine.abort(live.engine_id)  # the stream then ends with finish_reason "abort"
 
     # -- one request ------------------------------------------------------------------------------
-    async def _stream(self, request_id: str, live: LiveRequest, engine: AsyncEngine, prompt: Prompt,
-                      params: SamplingParams) -> None:
+    async def _stream(
+        self, request_id: str, live: LiveRequest, engine: AsyncEngine, prompt: Prompt, params: SamplingParams
+    ) -> None:
         finish_reason = "abort"
         try:
             if not live.cancelled:
@@ -252,8 +270,14 @@ class Connection:
         except Exception as e:
             self.send_error(request_id, e)
             return
-        self.send({"type": "done", "request_id": request_id, "finish_reason": finish_reason,
-                   "usage": {"prompt_tokens": live.prompt_tokens, "completion_tokens": live.completion_tokens}})
+        self.send(
+            {
+                "type": "done",
+                "request_id": request_id,
+                "finish_reason": finish_reason,
+                "usage": {"prompt_tokens": live.prompt_tokens, "completion_tokens": live.completion_tokens},
+            }
+        )
 
 
 def parse_prompt(frame: dict[str, Any]) -> Prompt:
@@ -270,9 +294,19 @@ def parse_prompt(frame: dict[str, Any]) -> Prompt:
 
 
 def delta_frame(request_id: str, c: CompletionOutput) -> dict[str, Any]:
-    frame: dict[str, Any] = {"type": "delta", "request_id": request_id, "text": c.text, "token_ids": c.token_ids}
+    frame: dict[str, Any] = {
+        "type": "delta",
+        "request_id": request_id,
+        "text": c.text,
+        "token_ids": c.token_ids,
+    }
     if c.logprobs is not None:
         # per generated token: candidates, the sampled token first
-        frame["logprobs"] = [[{"token_id": t, "logprob": clamp(lp.logprob), "rank": lp.rank,
-                               "token": lp.decoded_token} for t, lp in table.items()] for table in c.logprobs]
+        frame["logprobs"] = [
+            [
+                {"token_id": t, "logprob": clamp(lp.logprob), "rank": lp.rank, "token": lp.decoded_token}
+                for t, lp in table.items()
+            ]
+            for table in c.logprobs
+        ]
     return frame

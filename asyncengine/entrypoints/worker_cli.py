@@ -36,25 +36,37 @@ SUPERVISE_POLL_S = 0.2
 
 def add_worker_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Adds the `worker` subcommand; its handler is `run_worker(args)` (also set as `func`)."""
-    parser = subparsers.add_parser("worker", help="start this node's workers for a multi-node engine",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        "worker",
+        help="start this node's workers for a multi-node engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_worker_args(parser)
     parser.set_defaults(func=run_worker)
     return parser
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--head", required=True, metavar="HOST:PORT",
-                        help="the head's head_host:head_port (broadcast on PORT, results on PORT + 1)")
+    parser.add_argument(
+        "--head",
+        required=True,
+        metavar="HOST:PORT",
+        help="the head's head_host:head_port (broadcast on PORT, results on PORT + 1)",
+    )
     parser.add_argument("--node-rank", type=int, required=True, help="this node's index, 1 .. nnodes - 1")
     parser.add_argument("--key-file", required=True, help="the CURVE key file the head wrote")
-    parser.add_argument("--nproc", type=int, default=None,
-                        help="workers on this node; must equal the head's world_size / nnodes "
-                             "(default: the number of visible GPUs, or 1 without any)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="workers on this node; must equal the head's world_size / nnodes "
+        "(default: the number of visible GPUs, or 1 without any)",
+    )
 
 
 def parse_head(head: str) -> tuple[str, int]:
-    """"host:port" or "[v6::addr]:port" -> (host, port)."""
+    """\"host:port" or "[v6::addr]:port" -> (host, port)."""
     host, sep, port = head.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65535:
         raise ValueError(f"--head must be HOST:PORT with PORT in [1, 65534], got {head!r}")
@@ -67,7 +79,9 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
-def spawn_workers(endpoints: Endpoints, key_file: str, node_rank: int, nproc: int) -> tuple[list[subprocess.Popen], int]:
+def spawn_workers(
+    endpoints: Endpoints, key_file: str, node_rank: int, nproc: int
+) -> tuple[list[subprocess.Popen], int]:
     """Starts ranks node_rank * nproc .. + nproc - 1; returns them and the death pipe's write end."""
     read_fd, write_fd = os.pipe()
     os.set_inheritable(read_fd, True)
@@ -76,9 +90,23 @@ def spawn_workers(endpoints: Endpoints, key_file: str, node_rank: int, nproc: in
         rank = node_rank * nproc + local
         env = worker_env(os.environ, RANK=rank, LOCAL_RANK=local)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        cmd = [sys.executable, "-m", "asyncengine.worker.main", "--rank", str(rank), "--local-rank", str(local),
-               "--broadcast", endpoints.broadcast, "--results", endpoints.results, "--curve-keys", key_file,
-               "--parent-fd", str(read_fd)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "asyncengine.worker.main",
+            "--rank",
+            str(rank),
+            "--local-rank",
+            str(local),
+            "--broadcast",
+            endpoints.broadcast,
+            "--results",
+            endpoints.results,
+            "--curve-keys",
+            key_file,
+            "--parent-fd",
+            str(read_fd),
+        ]
         procs.append(subprocess.Popen(cmd, pass_fds=(read_fd,), env=env, stdin=subprocess.DEVNULL))
     os.close(read_fd)
     return procs, write_fd
@@ -111,8 +139,10 @@ def stop(procs: list[subprocess.Popen], grace_s: float = 3.0) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=os.environ.get("ASYNCENGINE_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s node{args.node_rank} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("ASYNCENGINE_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s node{args.node_rank} %(levelname)s %(message)s",
+    )
     try:
         host, port = parse_head(args.head)
         keys = load_client_keys(args.key_file)
@@ -128,8 +158,13 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     endpoints = Endpoints.tcp(host, port, keys)
     procs, death_pipe = spawn_workers(endpoints, os.path.abspath(args.key_file), args.node_rank, nproc)
-    logger.info("node %d: ranks %d..%d connecting to %s", args.node_rank, args.node_rank * nproc,
-                args.node_rank * nproc + nproc - 1, endpoints.broadcast)
+    logger.info(
+        "node %d: ranks %d..%d connecting to %s",
+        args.node_rank,
+        args.node_rank * nproc,
+        args.node_rank * nproc + nproc - 1,
+        endpoints.broadcast,
+    )
     try:
         return supervise(procs)
     except KeyboardInterrupt:
@@ -140,8 +175,9 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asyncengine worker", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="asyncengine worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_worker_args(parser)
     return run_worker(parser.parse_args(argv))
 

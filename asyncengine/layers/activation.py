@@ -18,7 +18,8 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
-    """GPT-2's tanh approximation of GELU, written exactly as HF's NewGELUActivation so results match bit for bit."""
+    """GPT-2's tanh approximation of GELU, written exactly as HF's NewGELUActivation so results match bit
+    for bit."""
     return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * torch.pow(x, 3.0))))
 
 

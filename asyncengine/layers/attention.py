@@ -76,7 +76,9 @@ def write_kv_cache(
     """
     if k.device.type == "cpu" and cpu_ops.write_kv(k, v, k_cache, v_cache, slot_mapping):
         return
-    if k_cache.element_size() == 1:  # float8: a byte copy, as index_copy_ lacks float8 kernels on some devices
+    if (
+        k_cache.element_size() == 1
+    ):  # float8: a byte copy, as index_copy_ lacks float8 kernels on some devices
         k, v, k_cache, v_cache = (t.view(torch.uint8) for t in (k, v, k_cache, v_cache))
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
@@ -90,8 +92,14 @@ class Attention(nn.Module):
     loading, memory profiling) the layer attends over this step's keys only.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.sliding_window = sliding_window
         self.num_heads = num_heads
@@ -108,13 +116,15 @@ class Attention(nn.Module):
         v: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [num_tokens, rotary_dim / 2]
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
-        """With `rope`, q and k are rotated here first: on a CPU together with the cache write, in one pass."""
+        """With `rope`, q and k are rotated here first: on a CPU together with the cache write, in one
+        pass."""
         meta = get_attention_metadata()
         fused = None
         if rope is not None:
             if self.k_cache.numel() and self.k_cache.dtype == q.dtype and q.device.type == "cpu":
-                fused = cpu_ops.rope_write_kv(q, k, v, rope[0], rope[1], self.k_cache, self.v_cache,
-                                              meta.slot_mapping, self.head_dim)
+                fused = cpu_ops.rope_write_kv(
+                    q, k, v, rope[0], rope[1], self.k_cache, self.v_cache, meta.slot_mapping, self.head_dim
+                )
             if fused is None:
                 q, k = apply_rotary(q, *rope, self.head_dim), apply_rotary(k, *rope, self.head_dim)
             else:
@@ -128,6 +138,7 @@ class Attention(nn.Module):
             k, v = k.to(self.k_cache.dtype), v.to(self.k_cache.dtype)
             write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             k, v = k.to(q.dtype), v.to(q.dtype)
-        out = get_attention_backend().forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                                              self.sliding_window)
+        out = get_attention_backend().forward(
+            q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window
+        )
         return out.reshape(-1, self.num_heads * self.head_dim)

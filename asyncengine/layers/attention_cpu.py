@@ -48,7 +48,10 @@ class CpuAttentionBackend:
         # own keys, a chunk after cached context (prefix hit, chunked prefill) over its gathered blocks.
         # The kernel takes decode rows and short chunks: it walks the cache once per query row, which
         # measured 3-4x slower than a gather + SDPA for a 200-row chunk but 2x faster for 4 rows.
-        dense = [ql > 1 and (ql == sl or ql >= SDPA_MIN_ROWS) for ql, sl in zip(meta.query_lens_cpu, meta.seq_lens_cpu)]
+        dense = [
+            ql > 1 and (ql == sl or ql >= SDPA_MIN_ROWS)
+            for ql, sl in zip(meta.query_lens_cpu, meta.seq_lens_cpu)
+        ]
         args = _StepArgs(
             tables=meta.block_tables[:n].to(torch.int32).contiguous(),
             query_start=meta.query_start_loc[: n + 1].to(torch.int32).contiguous(),
@@ -84,34 +87,76 @@ class CpuAttentionBackend:
         return out
 
     @staticmethod
-    def _prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 out: torch.Tensor, meta: AttentionMetadata, step: _StepArgs, scale: float,
-                 sliding_window: int | None) -> None:
+    def _prompts(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        meta: AttentionMetadata,
+        step: _StepArgs,
+        scale: float,
+        sliding_window: int | None,
+    ) -> None:
         """The dense rows. With a bfloat16 cache on AMX: every prompt chunk in one call that reads its keys in
         place through the block tables (this step's were written before attention), fresh prompts and
         chunks after cached context alike. Otherwise fresh prompts attend over this step's keys and
         chunks after cached context over their gathered blocks, one SDPA call each."""
         start, dense = 0, []
-        for i, (q_len, seq_len, is_dense) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, step.dense)):
+        for i, (q_len, seq_len, is_dense) in enumerate(
+            zip(meta.query_lens_cpu, meta.seq_lens_cpu, step.dense)
+        ):
             if is_dense:
                 dense.append((i, start, q_len, seq_len))
             start += q_len
-        if amx_prompt_attention(q, k_cache, v_cache, out, [(s, n, i, seq_len) for i, s, n, seq_len in dense], scale,
-                                sliding_window, step.tables):
+        if amx_prompt_attention(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            [(s, n, i, seq_len) for i, s, n, seq_len in dense],
+            scale,
+            sliding_window,
+            step.tables,
+        ):
             return
         fresh = [(s, n, s, n) for _, s, n, seq_len in dense if n == seq_len]  # over this step's keys directly
         if fresh and not amx_prompt_attention(q, k, v, out, fresh, scale, sliding_window):
             for s, n, _, _ in fresh:
-                out[s:s + n] = causal_attention(q[s:s + n], k[s:s + n], v[s:s + n], scale, sliding_window)
+                out[s : s + n] = causal_attention(
+                    q[s : s + n], k[s : s + n], v[s : s + n], scale, sliding_window
+                )
         for i, s, n, seq_len in dense:
             if n == seq_len:
                 continue
             keys = gather_kv(k_cache, meta.block_tables[i], seq_len, q.dtype)
             values = gather_kv(v_cache, meta.block_tables[i], seq_len, q.dtype)
             if not amx_prompt_attention(q, keys, values, out, [(s, n, 0, seq_len)], scale, sliding_window):
-                out[s:s + n] = causal_attention(q[s:s + n], keys, values, scale, sliding_window)
+                out[s : s + n] = causal_attention(q[s : s + n], keys, values, scale, sliding_window)
 
-    def _run_kernel(self, kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    out: torch.Tensor, step: _StepArgs, scale: float, window: int) -> None:
-        paged_attention(self.lib, kernel, q, k_cache, v_cache, out, step.tables, step.query_start, step.seq_lens,
-                        step.skip, scale, window)
+    def _run_kernel(
+        self,
+        kernel: str,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        step: _StepArgs,
+        scale: float,
+        window: int,
+    ) -> None:
+        paged_attention(
+            self.lib,
+            kernel,
+            q,
+            k_cache,
+            v_cache,
+            out,
+            step.tables,
+            step.query_start,
+            step.seq_lens,
+            step.skip,
+            scale,
+            window,
+        )

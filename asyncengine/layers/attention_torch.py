@@ -94,7 +94,9 @@ class TorchAttentionBackend:
         mask = positions[None, :] < seq_lens  # [B, S]
         if sliding_window:  # the query sits at seq_len - 1
             mask &= positions[None, :] >= seq_lens - sliding_window
-        out = sdpa(q[:num_seqs].unsqueeze(2), keys, values, mask[:, None, None, :], False, scale)  # [B, H, 1, D]
+        out = sdpa(
+            q[:num_seqs].unsqueeze(2), keys, values, mask[:, None, None, :], False, scale
+        )  # [B, H, 1, D]
         result = torch.zeros_like(q)
         result[:num_seqs] = out.squeeze(2)
         return result

@@ -39,7 +39,9 @@ class TritonAttentionBackend:
         if meta.is_decode_only:
             # One query row per sequence; rows beyond meta.num_seqs (graph padding) carry seq_len 0 in
             # the padded tensors and come back as zeros.
-            return paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window)
+            return paged_attention_decode(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window
+            )
         return paged_attention_prefill(
             q,
             k_cache,

@@ -53,8 +53,10 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(out, self.parallel)
 
     def extra_repr(self) -> str:
-        return (f"num_embeddings={self.num_embeddings}, per_rank={self.per_rank}, dim={self.embedding_dim}, "
-                f"tp={self.parallel.tp_size}")
+        return (
+            f"num_embeddings={self.num_embeddings}, per_rank={self.per_rank}, dim={self.embedding_dim}, "
+            f"tp={self.parallel.tp_size}"
+        )
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -29,14 +29,18 @@ def divide(total: int, parts: int, what: str) -> int:
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     if tuple(dst.shape) != tuple(src.shape):
-        raise ModelLoadError(f"shape mismatch: parameter expects {tuple(dst.shape)}, checkpoint has {tuple(src.shape)}")
+        raise ModelLoadError(
+            f"shape mismatch: parameter expects {tuple(dst.shape)}, checkpoint has {tuple(src.shape)}"
+        )
     dst.copy_(src)  # copy_ also moves to the parameter's device and casts to its dtype
 
 
 def check_dim(loaded: torch.Tensor, dim: int, expected: int) -> None:
     """A TP slice of a wrong-sized tensor would load silently; compare the full size first."""
     if loaded.dim() <= dim or loaded.shape[dim] != expected:
-        raise ModelLoadError(f"shape mismatch: expected size {expected} in dim {dim}, checkpoint has {tuple(loaded.shape)}")
+        raise ModelLoadError(
+            f"shape mismatch: expected size {expected} in dim {dim}, checkpoint has {tuple(loaded.shape)}"
+        )
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
@@ -89,8 +93,10 @@ class _ParallelLinear(nn.Module):
         return F.linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:
-        return (f"in_per_rank={self.in_per_rank}, out_per_rank={self.out_per_rank}, bias={self.bias is not None}, "
-                f"tp={self.parallel.tp_size}, packed={self.packed is not None}")
+        return (
+            f"in_per_rank={self.in_per_rank}, out_per_rank={self.out_per_rank}, "
+            f"bias={self.bias is not None}, tp={self.parallel.tp_size}, packed={self.packed is not None}"
+        )
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -124,7 +130,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     locally without communication. shard_id is the index into `output_sizes`.
     """
 
-    def __init__(self, input_size: int, output_sizes: Sequence[int], parallel: ParallelContext, bias: bool = False):
+    def __init__(
+        self, input_size: int, output_sizes: Sequence[int], parallel: ParallelContext, bias: bool = False
+    ):
         self.output_sizes = list(output_sizes)
         for size in self.output_sizes:
             divide(size, parallel.tp_size, "merged output size")
@@ -170,7 +178,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             if tp % total_num_kv_heads:
                 raise ModelLoadError(
-                    f"tensor_parallel_size ({tp}) must be a multiple of num_key_value_heads ({total_num_kv_heads})"
+                    f"tensor_parallel_size ({tp}) must be a multiple of num_key_value_heads "
+                    f"({total_num_kv_heads})"
                 )
             self.num_kv_heads = 1
             self.kv_replicas = tp // total_num_kv_heads

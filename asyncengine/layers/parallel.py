@@ -12,7 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-IntermediateTensors = dict[str, torch.Tensor]  # what stage i hands to stage i + 1, e.g. hidden_states, residual
+IntermediateTensors = dict[
+    str, torch.Tensor
+]  # what stage i hands to stage i + 1, e.g. hidden_states, residual
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,10 @@ def _init_fn(rope_type: str) -> Any:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ModelLoadError(f"unsupported rope type {rope_type!r}; supported: default, "
-                             f"{', '.join(t for t in ROPE_INIT_FUNCTIONS if 'dynamic' not in t)}")
+        raise ModelLoadError(
+            f"unsupported rope type {rope_type!r}; supported: default, "
+            f"{', '.join(t for t in ROPE_INIT_FUNCTIONS if 'dynamic' not in t)}"
+        )
     return ROPE_INIT_FUNCTIONS[rope_type]
 
 
@@ -54,14 +56,18 @@ class RotaryEmbedding(nn.Module):
         if "dynamic" in rope_type:
             # NOTE: dynamic NTK rescales the frequencies by the current sequence length, so one sequence's
             # keys would change meaning as it grows; a paged KV cache cannot express that.
-            raise ModelLoadError("rope_scaling type 'dynamic' is not supported (it depends on the sequence length)")
+            raise ModelLoadError(
+                "rope_scaling type 'dynamic' is not supported (it depends on the sequence length)"
+            )
         # computed on the CPU in float32 whatever the ambient default device / dtype, then moved once
         device = torch.empty(0).device
         positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         if rope_type == "default":
             dim = int(head_dim * params["partial_rotary_factor"])
             base = params["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+            inv_freq = 1.0 / (
+                base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+            )
             scaling = 1.0
             freqs = positions[:, None] * inv_freq[None, :]  # [P, dim / 2]
         elif rope_type == "longrope":
@@ -72,7 +78,9 @@ class RotaryEmbedding(nn.Module):
             original = int(params["original_max_position_embeddings"])
             short, scaling = fn(hf_config, "cpu")
             long, _ = fn(hf_config, "cpu", seq_len=original + 1)
-            freqs = torch.where(positions[:, None] < original, positions[:, None] * short, positions[:, None] * long)
+            freqs = torch.where(
+                positions[:, None] < original, positions[:, None] * short, positions[:, None] * long
+            )
             inv_freq = short
         else:
             inv_freq, scaling = _init_fn(rope_type)(hf_config, "cpu")
@@ -84,8 +92,12 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = float(scaling)
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", (freqs.cos() * self.attention_scaling).float().to(device), persistent=False)
-        self.register_buffer("sin", (freqs.sin() * self.attention_scaling).float().to(device), persistent=False)
+        self.register_buffer(
+            "cos", (freqs.cos() * self.attention_scaling).float().to(device), persistent=False
+        )
+        self.register_buffer(
+            "sin", (freqs.sin() * self.attention_scaling).float().to(device), persistent=False
+        )
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -116,7 +128,8 @@ def apply_rotary(
 
 
 def max_rope_positions(hf_config: Any) -> int:
-    """Positions the cos/sin table must cover: the context length, or longer when linear scaling extends it."""
+    """Positions the cos/sin table must cover: the context length, or longer when linear scaling extends
+    it."""
     max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
     params = rope_parameters(hf_config)
     if params["rope_type"] == "linear" and params.get("original_max_position_embeddings"):

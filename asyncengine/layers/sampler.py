@@ -39,7 +39,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         # [N, V] in the model's dtype. Plain greedy rows need only the argmax, which is the same in
         # any dtype (widening is exact); everything else works on a float32 copy.
-        if all(r.options.temperature == 0.0 and r.options.logprobs is None and not _penalized(r) for r in rows):
+        if all(
+            r.options.temperature == 0.0 and r.options.logprobs is None and not _penalized(r) for r in rows
+        ):
             return SamplerOutput(argmax_rows(logits).tolist(), None)
         logits = logits.float()  # [N, V]
         wants_logprobs = any(r.options.logprobs is not None for r in rows)
@@ -65,14 +67,19 @@ class Sampler:
                 banned = [t for t in opt.min_tokens_banned_ids if t < vocab]
                 logits[i, banned] = float("-inf")
             if opt.repetition_penalty != 1.0:
-                ids = torch.tensor(sorted(set(row.prompt_and_output_ids)), dtype=torch.long, device=logits.device)
+                ids = torch.tensor(
+                    sorted(set(row.prompt_and_output_ids)), dtype=torch.long, device=logits.device
+                )
                 ids = ids[ids < vocab]
                 picked = logits[i, ids]
-                logits[i, ids] = torch.where(picked > 0, picked / opt.repetition_penalty,
-                                             picked * opt.repetition_penalty)
+                logits[i, ids] = torch.where(
+                    picked > 0, picked / opt.repetition_penalty, picked * opt.repetition_penalty
+                )
             if _counts_penalized(row):
                 ids = torch.tensor(list(row.output_counts), dtype=torch.long, device=logits.device)
-                counts = torch.tensor(list(row.output_counts.values()), dtype=logits.dtype, device=logits.device)
+                counts = torch.tensor(
+                    list(row.output_counts.values()), dtype=logits.dtype, device=logits.device
+                )
                 keep = ids < vocab
                 logits[i, ids[keep]] -= opt.frequency_penalty * counts[keep] + opt.presence_penalty
         return logits
@@ -96,7 +103,9 @@ class Sampler:
         q = torch.empty_like(probs)
         shared = [i for i, r in enumerate(rows) if r.generator is None]
         if shared:
-            q[shared] = torch.empty(len(shared), probs.shape[-1], device=device).exponential_(generator=self.generator)
+            q[shared] = torch.empty(len(shared), probs.shape[-1], device=device).exponential_(
+                generator=self.generator
+            )
         for i, r in enumerate(rows):
             if r.generator is not None:
                 q[i].exponential_(generator=r.generator)
@@ -109,10 +118,15 @@ class Sampler:
     @staticmethod
     def _logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> list[tuple[torch.Tensor, int] | None]:
         lp = logits.log_softmax(dim=-1)  # [N, V]
-        return [(lp[i], r.options.logprobs) if r.options.logprobs is not None else None for i, r in enumerate(rows)]
+        return [
+            (lp[i], r.options.logprobs) if r.options.logprobs is not None else None
+            for i, r in enumerate(rows)
+        ]
 
     @staticmethod
-    def _attach_sampled(raw: list[tuple[torch.Tensor, int] | None], token_ids: list[int]) -> list[TokenLogprobs | None]:
+    def _attach_sampled(
+        raw: list[tuple[torch.Tensor, int] | None], token_ids: list[int]
+    ) -> list[TokenLogprobs | None]:
         out: list[TokenLogprobs | None] = []
         for entry, token in zip(raw, token_ids):
             if entry is None:

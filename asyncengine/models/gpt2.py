@@ -73,9 +73,15 @@ class GPT2Model(nn.Module):
             self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
             self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)  # small: replicated
         self.h = nn.ModuleDict(
-            {str(i): GPT2Block(cfg, parallel, i) for i in range(cfg.num_hidden_layers) if parallel.owns_layer(i)}
+            {
+                str(i): GPT2Block(cfg, parallel, i)
+                for i in range(cfg.num_hidden_layers)
+                if parallel.owns_layer(i)
+            }
         )
-        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon) if parallel.is_last_stage else None
+        self.ln_f = (
+            nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon) if parallel.is_last_stage else None
+        )
 
     def forward(
         self,
@@ -106,8 +112,8 @@ class GPT2LMHeadModel(CausalLM):
     def __init__(self, hf_config: Any, parallel: ParallelContext) -> None:
         if getattr(hf_config, "add_cross_attention", False):
             raise ModelLoadError("GPT-2 with add_cross_attention=True (an encoder-decoder) is not supported")
-        # NOTE: reorder_and_upcast_attn only changes the precision of HF's eager path (the sdpa default ignores
-        # it), so it is accepted as is.
+        # NOTE: reorder_and_upcast_attn only changes the precision of HF's eager path (the sdpa default
+        # ignores it), so it is accepted as is.
         super().__init__(hf_config, parallel)
 
     def make_decoder(self, hf_config: Any, parallel: ParallelContext) -> GPT2Model:

@@ -74,7 +74,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.attn = Attention(
-            self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads, self.head_dim**-0.5,
+            self.qkv_proj.num_heads,
+            self.head_dim,
+            self.qkv_proj.num_kv_heads,
+            self.head_dim**-0.5,
             sliding_window_of(cfg, layer),
         )
 
@@ -95,14 +98,18 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: Any, parallel: ParallelContext, opts: LlamaOptions) -> None:
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], parallel, bias=opts.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [inter, inter], parallel, bias=opts.mlp_bias
+        )
         self.act_fn = ActAndMul(cfg.hidden_act)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, parallel, bias=opts.mlp_bias)
 
     def prepack(self) -> bool:
         """On an AMX CPU, packs the [gate | up] weight so that its GEMM writes silu(gate) * up directly
         (cpu_gemm.prepack_gated): one op less per layer and half the GEMM's output written."""
-        return self.act_fn.is_silu and self.gate_up_proj.packed is None and self.gate_up_proj.prepack(gated=True)
+        return (
+            self.act_fn.is_silu and self.gate_up_proj.packed is None and self.gate_up_proj.prepack(gated=True)
+        )
 
     @property
     def fused_act(self) -> bool:
@@ -152,8 +159,11 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         # a ModuleDict keyed by the global layer index keeps HF's names (model.layers.7...) on every stage
         self.layers = nn.ModuleDict(
-            {str(i): LlamaDecoderLayer(cfg, parallel, opts, i) for i in range(cfg.num_hidden_layers)
-             if parallel.owns_layer(i)}
+            {
+                str(i): LlamaDecoderLayer(cfg, parallel, opts, i)
+                for i in range(cfg.num_hidden_layers)
+                if parallel.owns_layer(i)
+            }
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if parallel.is_last_stage else None
         self.rotary_emb = RotaryEmbedding(cfg, head_dim_of(cfg), max_rope_positions(cfg))
@@ -176,7 +186,10 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin)
         if self.norm is None:
             # hidden + residual is the true stream; a zero residual keeps the pair's meaning if no layer ran
-            return {"hidden_states": hidden, "residual": residual if residual is not None else torch.zeros_like(hidden)}
+            return {
+                "hidden_states": hidden,
+                "residual": residual if residual is not None else torch.zeros_like(hidden),
+            }
         if residual is None:
             return self.norm(hidden)
         return self.norm.fused_add(hidden, residual)[0]

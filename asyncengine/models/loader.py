@@ -18,8 +18,13 @@ from asyncengine.model_config import is_self_contained, model_max_len, read_mode
 
 __all__ = ["get_model_config", "lm_head_cost", "load_model", "model_dtype", "model_max_len"]
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
-           "bfloat16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 # decoder-layer index in a checkpoint name: model.layers.3. (Llama family), transformer.h.3. / h.3. (GPT-2)
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
 
@@ -129,11 +134,15 @@ def _weight_files(model_dir: Path) -> list[Path]:
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"no *.safetensors weights in {model_dir} (pickled .bin checkpoints are not loaded)")
+        raise ModelLoadError(
+            f"no *.safetensors weights in {model_dir} (pickled .bin checkpoints are not loaded)"
+        )
     return files
 
 
-def _iter_weights(files: list[Path], parallel: ParallelContext, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_weights(
+    files: list[Path], parallel: ParallelContext, progress: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every checkpoint tensor this stage may need, read one at a time."""
     from safetensors import SafetensorError, safe_open
     from tqdm import tqdm
@@ -147,8 +156,9 @@ def _iter_weights(files: list[Path], parallel: ParallelContext, progress: bool) 
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 names.append((path, [k for k in f.keys() if wanted(k)]))
-        with tqdm(total=sum(len(k) for _, k in names), desc="loading weights", unit="tensor",
-                  disable=not progress) as bar:
+        with tqdm(
+            total=sum(len(k) for _, k in names), desc="loading weights", unit="tensor", disable=not progress
+        ) as bar:
             for path, keys in names:
                 with safe_open(str(path), framework="pt") as f:
                     for key in keys:

@@ -27,5 +27,6 @@ def resolve_model_class(hf_config: Any) -> type[CausalLM]:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
     raise ModelLoadError(
-        f"unknown architecture {architectures or '(none in config.json)'}; supported: {', '.join(MODEL_REGISTRY)}"
+        f"unknown architecture {architectures or '(none in config.json)'}; "
+        f"supported: {', '.join(MODEL_REGISTRY)}"
     )

@@ -81,8 +81,14 @@ class InputBatch:
 
     def _add(self, new: NewSeq) -> SeqState:
         token_ids = unpack_ids(new.token_ids)
-        state = SeqState(new.seq_id, token_ids, new.num_prompt_tokens, list(new.block_ids),
-                         new.num_computed_tokens, new.sampling)
+        state = SeqState(
+            new.seq_id,
+            token_ids,
+            new.num_prompt_tokens,
+            list(new.block_ids),
+            new.num_computed_tokens,
+            new.sampling,
+        )
         for t in token_ids[new.num_prompt_tokens :]:
             state.output_counts[t] = state.output_counts.get(t, 0) + 1
         if new.sampling.seed is not None:
@@ -94,10 +100,13 @@ class InputBatch:
     def _apply(self, diff: CachedSeq) -> SeqState:
         state = self.seqs[diff.seq_id]
         if not 0 <= diff.num_rejected <= state.num_output_tokens or not 0 <= diff.num_draft_tokens < max(
-                diff.num_scheduled_tokens, 1):
-            raise ValueError(f"sequence {diff.seq_id}: {diff.num_rejected} rejected and {diff.num_draft_tokens} draft "
-                             f"tokens do not fit {state.num_output_tokens} outputs and {diff.num_scheduled_tokens} "
-                             "scheduled tokens")
+            diff.num_scheduled_tokens, 1
+        ):
+            raise ValueError(
+                f"sequence {diff.seq_id}: {diff.num_rejected} rejected and {diff.num_draft_tokens} draft "
+                f"tokens do not fit {state.num_output_tokens} outputs and {diff.num_scheduled_tokens} "
+                "scheduled tokens"
+            )
         if diff.num_rejected:
             state.rollback(diff.num_rejected)
         if diff.new_token_ids:

@@ -77,7 +77,9 @@ def preimport(rank: int, with_transformers: bool = False) -> threading.Thread:
     return thread
 
 
-def serve(rank: int, endpoints: Endpoints, local_rank: int | None = None, preimport_transformers: bool = False) -> int:
+def serve(
+    rank: int, endpoints: Endpoints, local_rank: int | None = None, preimport_transformers: bool = False
+) -> int:
     mark(f"worker{rank}", "started")
     imports = preimport(rank, preimport_transformers)
     first_step = True
@@ -148,13 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", required=True)
     parser.add_argument("--parent-fd", type=int, default=None)
     parser.add_argument("--curve-keys", default=None, help="key file written by the head (TCP only)")
-    parser.add_argument("--preimport-transformers", action="store_true",
-                        help="import transformers' config machinery in the background (the model's config needs it)")
+    parser.add_argument(
+        "--preimport-transformers",
+        action="store_true",
+        help="import transformers' config machinery in the background (the model's config needs it)",
+    )
     args = parser.parse_args(argv)
     if args.rank is None:
         parser.error("--rank (or RANK in the environment) is required")
-    logging.basicConfig(level=os.environ.get("ASYNCENGINE_LOG_LEVEL", "WARNING"),
-                        format=f"%(asctime)s worker{args.rank} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("ASYNCENGINE_LOG_LEVEL", "WARNING"),
+        format=f"%(asctime)s worker{args.rank} %(levelname)s %(message)s",
+    )
     if args.parent_fd is not None:
         watch_parent(args.parent_fd)
     curve = load_client_keys(args.curve_keys) if args.curve_keys else None

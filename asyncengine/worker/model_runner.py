@@ -50,8 +50,15 @@ class ModelInput(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, parallel: ParallelContext, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int, progress: bool = False) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        parallel: ParallelContext,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        progress: bool = False,
+    ) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.parallel = parallel
@@ -93,11 +100,19 @@ class ModelRunner:
         # With speculation most steps carry drafts (not decode-only): captures would rarely pay back
         # (offline mixed run with 4 n-gram drafts: 9.8 s without graphs, 10.0 s with).
         speculative = self.config.num_speculative_tokens > 0
-        if (single and not speculative and self.device.type == "cpu" and not self.config.enforce_eager
-                and kernel_graphs_apply()):
-            self.graph_runner = KernelGraphRunner(self._decode_forward, max_num_seqs=self.config.max_num_seqs,
-                                                  max_blocks_per_seq=max_blocks,
-                                                  pad_slot_id=num_blocks * self.block_size)
+        if (
+            single
+            and not speculative
+            and self.device.type == "cpu"
+            and not self.config.enforce_eager
+            and kernel_graphs_apply()
+        ):
+            self.graph_runner = KernelGraphRunner(
+                self._decode_forward,
+                max_num_seqs=self.config.max_num_seqs,
+                max_blocks_per_seq=max_blocks,
+                pad_slot_id=num_blocks * self.block_size,
+            )
         elif self.parallel.is_first_stage and self.device.type == "cuda":
             self.graph_runner = GraphRunner(
                 self._decode_forward,
@@ -118,17 +133,28 @@ class ModelRunner:
         if self.graph_runner is not None:
             self.graph_runner.close()
 
-    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        query_start_loc: torch.Tensor) -> torch.Tensor | IntermediateTensors:
+    def _decode_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+    ) -> torch.Tensor | IntermediateTensors:
         """The forward the GraphRunner captures / runs on its (padded) static buffers."""
         n = input_ids.shape[0]
         host = self._decode_meta
         seq_lens_cpu = list(host.seq_lens_cpu) if host is not None else []
         seq_lens_cpu += [0] * (n - len(seq_lens_cpu))  # padding rows attend over nothing
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
-            block_tables=block_tables, query_lens_cpu=[1] * n, seq_lens_cpu=seq_lens_cpu, max_query_len=1,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            query_lens_cpu=[1] * n,
+            seq_lens_cpu=seq_lens_cpu,
+            max_query_len=1,
             max_seq_len=max(host.max_seq_len if host is not None else 1, 1),
         )
         with forward_context(meta):
@@ -160,8 +186,13 @@ class ModelRunner:
             offset += num
             if end == len(state.token_ids):  # the prompt is fully computed: this step samples a token
                 # (and one after each draft, which the engine compares with the drafts: spec_decode.py)
-                row = SamplingRow(state.sampling, state.generator, state.token_ids, state.output_counts,
-                                  state.num_output_tokens)
+                row = SamplingRow(
+                    state.sampling,
+                    state.generator,
+                    state.token_ids,
+                    state.output_counts,
+                    state.num_output_tokens,
+                )
                 for i in range(offset - 1 - drafts, offset):
                     logits_indices.append(i)
                     rows.append(row)
@@ -193,16 +224,23 @@ class ModelRunner:
 
     # -- execution --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, model_input: ModelInput, intermediate: IntermediateTensors | None,
-                      sample: bool = True) -> IntermediateTensors | SamplerOutput | None:
+    def execute_model(
+        self, model_input: ModelInput, intermediate: IntermediateTensors | None, sample: bool = True
+    ) -> IntermediateTensors | SamplerOutput | None:
         """Runs the shard; on the last stage returns the sampled tokens (None where `sample` is False)."""
         meta = model_input.meta
         if self.graph_runner is not None and intermediate is None and meta.is_decode_only:
             self._decode_meta = meta
-            out = self.graph_runner.run(ModelInputs(
-                model_input.input_ids, model_input.positions, meta.slot_mapping, meta.block_tables,
-                meta.seq_lens, meta.query_start_loc,
-            ))
+            out = self.graph_runner.run(
+                ModelInputs(
+                    model_input.input_ids,
+                    model_input.positions,
+                    meta.slot_mapping,
+                    meta.block_tables,
+                    meta.seq_lens,
+                    meta.query_start_loc,
+                )
+            )
         else:
             with forward_context(meta):
                 out = self.model(model_input.input_ids, model_input.positions, intermediate)
@@ -227,14 +265,19 @@ class ModelRunner:
             query_start_loc=query_start.to(self.device),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
             block_tables=torch.zeros((len(lens), 1), dtype=torch.int32, device=self.device),
-            query_lens_cpu=lens, seq_lens_cpu=lens, max_query_len=max(lens), max_seq_len=max(lens),
+            query_lens_cpu=lens,
+            seq_lens_cpu=lens,
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
         )
         intermediate = None
         if not self.parallel.is_first_stage:
-            intermediate = {name: torch.zeros(budget, self.model.hidden_size, dtype=self.dtype, device=self.device)
-                            for name in self.model.intermediate_names}
+            intermediate = {
+                name: torch.zeros(budget, self.model.hidden_size, dtype=self.dtype, device=self.device)
+                for name in self.model.intermediate_names
+            }
         ids = torch.zeros(budget, dtype=torch.long, device=self.device)
         with forward_context(meta):
             out = self.model(ids, positions, intermediate)
         if self.parallel.is_last_stage:
-            self.model.compute_logits(out[-min(budget, self.config.max_num_seqs):])
+            self.model.compute_logits(out[-min(budget, self.config.max_num_seqs) :])

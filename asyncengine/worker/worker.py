@@ -49,18 +49,29 @@ class Worker:
         groups = init_process_groups(self.topology, init.dist_init_method, dist_backend(self.device))
         hf_config = get_model_config(config.model)
         num_layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
-        start, end = layer_range(num_layers, self.topology.pp_rank, self.topology.pp_size, config.pp_layer_partition,
-                                 head_cost=lm_head_cost(hf_config))
+        start, end = layer_range(
+            num_layers,
+            self.topology.pp_rank,
+            self.topology.pp_size,
+            config.pp_layer_partition,
+            head_cost=lm_head_cost(hf_config),
+        )
         self.parallel = ParallelContext(
-            tp_rank=self.topology.tp_rank, tp_size=self.topology.tp_size, pp_rank=self.topology.pp_rank,
-            pp_size=self.topology.pp_size, layer_start=start, layer_end=end, tp_group=groups.tp_group,
+            tp_rank=self.topology.tp_rank,
+            tp_size=self.topology.tp_size,
+            pp_rank=self.topology.pp_rank,
+            pp_size=self.topology.pp_size,
+            layer_start=start,
+            layer_end=end,
+            tp_group=groups.tp_group,
         )
         self.dtype = resolve_dtype(config, self.device)
         set_attention_backend(make_attention_backend(config.attention_backend, self.device))
         limit = model_max_len(hf_config)
         self.max_model_len = min(config.max_model_len or limit, limit)
-        self.model_runner = ModelRunner(config, self.parallel, self.device, self.dtype, self.max_model_len,
-                                        progress=rank == 0)
+        self.model_runner = ModelRunner(
+            config, self.parallel, self.device, self.dtype, self.max_model_len, progress=rank == 0
+        )
         self.input_batch = InputBatch(self.device)
         self.link = StageLink(self.topology.prev_stage_rank, self.topology.next_stage_rank, self.device)
         self.vocab_size = int(getattr(hf_config, "vocab_size", 0))
@@ -76,8 +87,14 @@ class Worker:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         if self.device.type == "cuda":
-            return profile_and_size(self.model_runner.profile_run, per_block, cfg.gpu_memory_utilization,
-                                    block_size=cfg.block_size, max_model_len=self.max_model_len, device=self.device)
+            return profile_and_size(
+                self.model_runner.profile_run,
+                per_block,
+                cfg.gpu_memory_utilization,
+                block_size=cfg.block_size,
+                max_model_len=self.max_model_len,
+                device=self.device,
+            )
         return size_kv_cache_cpu(per_block, cfg.block_size, self.max_model_len, cfg.kv_cache_memory_bytes)
 
     def init_cache(self, num_blocks: int) -> None:
@@ -102,7 +119,9 @@ class Worker:
         intermediate = None
         if not self.parallel.is_first_stage:
             model = self.model_runner.model
-            intermediate = self.link.recv(model.intermediate_names, batch.num_tokens, model.hidden_size, self.dtype)
+            intermediate = self.link.recv(
+                model.intermediate_names, batch.num_tokens, model.hidden_size, self.dtype
+            )
         sample = self.topology.is_driver or self.appends_samples
         out = self.model_runner.execute_model(model_input, intermediate, sample=sample)
         self.input_batch.mark_computed(batch)

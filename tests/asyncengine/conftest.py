@@ -41,4 +41,3 @@ def llm_factory() -> Iterator[Any]:
     yield make
     for llm in started:
         llm.shutdown()
-

@@ -64,8 +64,16 @@ def tokenizer() -> transformers.PreTrainedTokenizerBase:
 
 
 def test_bundle_files_and_size() -> None:
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "README.md", "loss_curve.png", "training_log.json"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+        "loss_curve.png",
+        "training_log.json",
+    ):
         assert (MODEL_DIR / name).is_file(), f"missing {name}"
     total = sum(p.stat().st_size for p in MODEL_DIR.iterdir() if p.is_file())
     assert total <= MAX_BYTES, f"bundle is {total / 2**20:.1f} MiB"
@@ -83,11 +91,15 @@ def test_tokenizer_loads_offline(tokenizer: transformers.PreTrainedTokenizerBase
     assert tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [1, 2]
     text = "def f(x):\n    return x  # naïve\n\n\tpass\n"
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text  # byte-level: lossless
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_model_config_matches_weights(hf_model: transformers.PreTrainedModel, tokenizer, training_log: dict) -> None:
+def test_model_config_matches_weights(
+    hf_model: transformers.PreTrainedModel, tokenizer, training_log: dict
+) -> None:
     n_params = sum(p.numel() for p in hf_model.parameters())
     assert n_params == training_log["n_params"]
     assert hf_model.config.vocab_size == len(tokenizer)
@@ -105,13 +117,15 @@ def test_heldout_loss_below_reported(train_mod: ModuleType, hf_model, tokenizer,
         threshold = final["test_threshold"]
     else:
         threshold = final["heldout_loss_test_slice"] + FOREIGN_STDLIB_MARGIN
-    assert loss < threshold, f"held-out loss {loss:.4f} >= {threshold:.4f} (logged {final['heldout_loss_test_slice']:.4f})"
+    assert loss < threshold, (
+        f"held-out loss {loss:.4f} >= {threshold:.4f} (logged {final['heldout_loss_test_slice']:.4f})"
+    )
 
 
 def test_greedy_completion_looks_like_python(hf_model, tokenizer) -> None:
     ids = tokenizer("def fibonacci(n):", return_tensors="pt")
     out = hf_model.generate(**ids, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    text = tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
+    text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :])
     # a function body: a new line, indented
     assert text.startswith("\n    ") or "\n    " in text[:16], repr(text)
 
@@ -121,7 +135,10 @@ def test_quick_training_run(tmp_path: Path) -> None:
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, str(TRAIN_SCRIPT), "--quick", "--threads", "1", "--out", str(tmp_path)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -129,7 +146,14 @@ def test_quick_training_run(tmp_path: Path) -> None:
     log = json.loads((tmp_path / "training_log.json").read_text())
     assert log["quick"] is True and log["eval"], log.keys()
     assert log["final"]["heldout_loss"] < log["eval"][0]["heldout_loss"]  # it learned something
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "loss_curve.png", "README.md"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "loss_curve.png",
+        "README.md",
+    ):
         assert (tmp_path / name).is_file(), name
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path)

@@ -23,7 +23,7 @@ def test_default_model_greedy_matches_hf() -> None:
         for p in PROMPTS:
             ids = tok(p, return_tensors="pt").input_ids
             out = hf.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id)
-            expected.append(out[0, ids.shape[1]:].tolist())
+            expected.append(out[0, ids.shape[1] :].tolist())
     llm = LLM(dtype="float32", num_kv_blocks=64)  # no model argument: the bundled default
     try:
         got = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))

@@ -35,7 +35,9 @@ def test_stream_equals_full_decode(tokenizer, text: str) -> None:
 
 def test_byte_fallback_split_character_is_held_back(tokenizer) -> None:
     # the raw bytes of an emoji as separate byte tokens: nothing may be emitted until it completes
-    byte_tokens = [tokenizer.convert_tokens_to_ids(t) for t in tokenizer.convert_ids_to_tokens(tokenizer.encode("🚀"))]
+    byte_tokens = [
+        tokenizer.convert_tokens_to_ids(t) for t in tokenizer.convert_ids_to_tokens(tokenizer.encode("🚀"))
+    ]
     detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True)
     out = [detok.append(t) for t in byte_tokens]
     assert "".join(out) + detok.flush() == "🚀"

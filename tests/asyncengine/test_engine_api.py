@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_model_factory):
     model = tiny_model_factory("llama", tokenizer=True)
-    eng = await AsyncEngine.start(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=64,
-                                               max_model_len=512, block_size=8))
+    eng = await AsyncEngine.start(
+        EngineConfig(model=str(model), dtype="float32", num_kv_blocks=64, max_model_len=512, block_size=8)
+    )
     yield eng
     await eng.shutdown()
     assert all(p.poll() is not None for p in eng.executor.procs)
@@ -56,23 +57,37 @@ async def test_stop_strings_and_stop_tokens(engine) -> None:
     full = base[-1].outputs[0]
     assert len(full.text) > 6
     stop = full.text[3:6]
-    outs = await collect(engine, "Hello", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop],
-                                                          output_kind=OutputKind.DELTA))
+    outs = await collect(
+        engine,
+        "Hello",
+        SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], output_kind=OutputKind.DELTA
+        ),
+    )
     text = "".join(o.outputs[0].text for o in outs)
     assert text == full.text[: full.text.index(stop)]
     assert outs[-1].outputs[0].finish_reason == "stop" and outs[-1].outputs[0].stop_reason == stop
-    incl = await collect(engine, "Hello", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                                                          stop=[stop], include_stop_str_in_output=True))
+    incl = await collect(
+        engine,
+        "Hello",
+        SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+        ),
+    )
     assert incl[-1].outputs[0].text == full.text[: full.text.index(stop) + len(stop)]
     tok = full.token_ids[4]
-    outs = await collect(engine, "Hello", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                                                          stop_token_ids=[tok]))
+    outs = await collect(
+        engine, "Hello", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[tok])
+    )
     got = outs[-1].outputs[0]
     assert got.token_ids == full.token_ids[: full.token_ids.index(tok) + 1]
     assert got.stop_reason == tok
     # min_tokens keeps the stop token from ending the stream too early
-    outs = await collect(engine, "Hello", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                                                          stop_token_ids=[tok], min_tokens=8))
+    outs = await collect(
+        engine,
+        "Hello",
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[tok], min_tokens=8),
+    )
     assert len(outs[-1].outputs[0].token_ids) >= 8
 
 
@@ -91,13 +106,20 @@ async def test_seeded_sampling_reproducible_and_batch_independent(engine) -> Non
 
 
 async def test_n_samples_and_penalties(engine) -> None:
-    outs = await collect(engine, "Hello", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))
+    outs = await collect(
+        engine, "Hello", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    )
     final = outs[-1]
     assert [c.index for c in final.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in final.outputs}) > 1
-    greedy = (await collect(engine, "Hello", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)))
-    penal = (await collect(engine, "Hello", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
-                                                           repetition_penalty=2.0, frequency_penalty=1.5)))
+    greedy = await collect(engine, "Hello", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    penal = await collect(
+        engine,
+        "Hello",
+        SamplingParams(
+            temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=2.0, frequency_penalty=1.5
+        ),
+    )
     g, p = greedy[-1].outputs[0].token_ids, penal[-1].outputs[0].token_ids
     assert len(set(p)) >= len(set(g))
 
@@ -162,7 +184,9 @@ async def test_cancelling_the_consumer_aborts(engine) -> None:
     ],
 )
 async def test_bad_requests_are_typed_and_isolated(engine, prompt, params, match) -> None:
-    good = asyncio.create_task(collect(engine, "Hello", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)))
+    good = asyncio.create_task(
+        collect(engine, "Hello", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    )
     with pytest.raises(InvalidRequestError, match=match):
         await collect(engine, prompt, SamplingParams(**params))
     out = await good
@@ -175,15 +199,32 @@ async def test_duplicate_request_id_and_bad_params(engine) -> None:
     with pytest.raises(InvalidRequestError, match="already running"):
         await collect(engine, "Hello", SamplingParams(), "dup")
     await gen.aclose()
-    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0),
-                dict(temperature=float("nan")), dict(logprobs=100), dict(n=0)):
+    for bad in (
+        dict(temperature=-1.0),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(max_tokens=0),
+        dict(temperature=float("nan")),
+        dict(logprobs=100),
+        dict(n=0),
+    ):
         with pytest.raises(SamplingParamsError):
             SamplingParams(**bad)
 
 
-@pytest.mark.parametrize("bad", [dict(top_k=2**70), dict(min_tokens=2**64, max_tokens=None),
-                                 dict(stop_token_ids=[2**70], min_tokens=1), dict(seed=2**63),
-                                 dict(max_tokens=2**64), dict(n=2.0), dict(top_k=True), dict(stop_token_ids=[1] * 300)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(top_k=2**70),
+        dict(min_tokens=2**64, max_tokens=None),
+        dict(stop_token_ids=[2**70], min_tokens=1),
+        dict(seed=2**63),
+        dict(max_tokens=2**64),
+        dict(n=2.0),
+        dict(top_k=True),
+        dict(stop_token_ids=[1] * 300),
+    ],
+)
 async def test_out_of_range_integers_are_refused_at_the_boundary(engine, bad) -> None:
     # ints past 64 bits used to pass validation and kill the engine when the step was encoded
     with pytest.raises(SamplingParamsError):

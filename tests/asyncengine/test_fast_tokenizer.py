@@ -17,19 +17,33 @@ from asyncengine.config import default_model_path
 from asyncengine.tokenizer import FastTokenizer, load_fast_tokenizer, load_tokenizer
 
 TEXTS = [
-    "Hello world!", "  leading spaces and trailing  ", "tabs\tand\nnewlines\r\n", "Héllo wörld ¿Qué tal? 🙂🚀",
-    "日本語のテキスト", "<s>inline special</s> tokens <unk>", "<|im_start|>user\nhi<|im_end|>", "", " ",
-    "don't stop , ok . really ?", "def f(x):\n    return x  # comment",
+    "Hello world!",
+    "  leading spaces and trailing  ",
+    "tabs\tand\nnewlines\r\n",
+    "Héllo wörld ¿Qué tal? 🙂🚀",
+    "日本語のテキスト",
+    "<s>inline special</s> tokens <unk>",
+    "<|im_start|>user\nhi<|im_end|>",
+    "",
+    " ",
+    "don't stop , ok . really ?",
+    "def f(x):\n    return x  # comment",
 ]
-MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hi there, 🙂?"},
-            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "more"}]
+MESSAGES = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "Hi there, 🙂?"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "more"},
+]
 # exercises what transformers' Jinja environment adds: loop controls, {% generation %}, its tojson,
 # raise_exception, special tokens as variables, trim_blocks / lstrip_blocks
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}\n"
-    "  {% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}\n"
+    "  {% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('bad role') }}{% endif %}\n"
     "  {% if m['role'] == 'system' %}{% continue %}{% endif %}\n"
-    "  {% if m['role'] == 'assistant' %}{% generation %}A: {{ m['content'] }}{{ eos_token }}{% endgeneration %}\n"
+    "  {% if m['role'] == 'assistant' %}"
+    "{% generation %}A: {{ m['content'] }}{{ eos_token }}{% endgeneration %}\n"
     "  {% else %}U: {{ m['content'] | tojson }}\n{% endif %}\n"
     "{% endfor %}{% if add_generation_prompt %}A:{% endif %}{{ extra_var | default('') }}"
 )
@@ -40,8 +54,14 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tokenizer(tmp_path_factory.mktemp("tok-base"))
 
 
-def variant(base: Path, dest: Path, model_type: str = "llama", config: dict[str, Any] | None = None,
-            drop: tuple[str, ...] = (), files: dict[str, str] | None = None) -> Path:
+def variant(
+    base: Path,
+    dest: Path,
+    model_type: str = "llama",
+    config: dict[str, Any] | None = None,
+    drop: tuple[str, ...] = (),
+    files: dict[str, str] | None = None,
+) -> Path:
     """A copy of `base`'s tokenizer files with config.json's model_type, tokenizer_config.json edits
     (None deletes a key), files removed and files added."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -68,25 +88,62 @@ FAST_CASES: dict[str, dict[str, Any]] = {
     "qwen3": {"model_type": "qwen3"},
     "template in config, special token added": {
         "drop": ("chat_template.jinja",),
-        "config": {"chat_template": TEMPLATE, "additional_special_tokens": ["<|tool|>", "<s>"], "pad_token": "<pad>"},
-    },
-    "jinja file wins over config": {"config": {"chat_template": "ignored"}, "files": {"chat_template.jinja": TEMPLATE}},
-    "added_tokens_decoder flags": {"config": {
-        "added_tokens_decoder": {
-            "0": {"content": "<unk>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                  "special": True},
-            "1": {"content": "<s>", "lstrip": True, "normalized": False, "rstrip": True, "single_word": False,
-                  "special": False},
-            "2": {"content": "</s>", "lstrip": False, "normalized": True, "rstrip": False, "single_word": False,
-                  "special": True},
+        "config": {
+            "chat_template": TEMPLATE,
+            "additional_special_tokens": ["<|tool|>", "<s>"],
+            "pad_token": "<pad>",
         },
-        "eos_token": {"__type": "AddedToken", "content": "</s>", "lstrip": False, "normalized": False,
-                      "rstrip": False, "single_word": False, "special": True},
-    }},
+    },
+    "jinja file wins over config": {
+        "config": {"chat_template": "ignored"},
+        "files": {"chat_template.jinja": TEMPLATE},
+    },
+    "added_tokens_decoder flags": {
+        "config": {
+            "added_tokens_decoder": {
+                "0": {
+                    "content": "<unk>",
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                    "special": True,
+                },
+                "1": {
+                    "content": "<s>",
+                    "lstrip": True,
+                    "normalized": False,
+                    "rstrip": True,
+                    "single_word": False,
+                    "special": False,
+                },
+                "2": {
+                    "content": "</s>",
+                    "lstrip": False,
+                    "normalized": True,
+                    "rstrip": False,
+                    "single_word": False,
+                    "special": True,
+                },
+            },
+            "eos_token": {
+                "__type": "AddedToken",
+                "content": "</s>",
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            },
+        }
+    },
     "clean-up spaces (skipped for BPE)": {"config": {"clean_up_tokenization_spaces": True}},
-    "clean-up spaces forced": {"config": {
-        "clean_up_tokenization_spaces": True,
-        "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output": True}},
+    "clean-up spaces forced": {
+        "config": {
+            "clean_up_tokenization_spaces": True,
+            "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output": True,
+        }
+    },
 }
 
 
@@ -98,11 +155,15 @@ def assert_same(fast: FastTokenizer, hf: Any) -> None:
             assert fast.encode(text, add_special_tokens=special) == ids, text
         ids = hf.encode(text)
         for skip in (True, False):
-            assert fast.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), text
-            assert (fast.convert_ids_to_tokens(ids, skip_special_tokens=skip)
-                    == hf.convert_ids_to_tokens(ids, skip_special_tokens=skip))
-            assert (fast.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
-                    == hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False))
+            assert fast.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), (
+                text
+            )
+            assert fast.convert_ids_to_tokens(ids, skip_special_tokens=skip) == hf.convert_ids_to_tokens(
+                ids, skip_special_tokens=skip
+            )
+            assert fast.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+            ) == hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
     every_id = list(range(len(hf)))
     assert [fast.decode([i]) for i in every_id] == [hf.decode([i]) for i in every_id]
     assert fast.decode(7) == hf.decode(7)
@@ -114,15 +175,24 @@ def assert_same(fast: FastTokenizer, hf: Any) -> None:
     for name in ("bos", "eos", "unk", "pad", "sep", "cls", "mask"):
         assert getattr(fast, f"{name}_token") == getattr(hf, f"{name}_token"), name
         assert getattr(fast, f"{name}_token_id") == getattr(hf, f"{name}_token_id"), name
-    assert fast.convert_tokens_to_ids(["<s>", "never-a-token"]) == hf.convert_tokens_to_ids(["<s>", "never-a-token"])
+    assert fast.convert_tokens_to_ids(["<s>", "never-a-token"]) == hf.convert_tokens_to_ids(
+        ["<s>", "never-a-token"]
+    )
     assert fast.chat_template == hf.chat_template
     if hf.chat_template is not None:
         for gen in (True, False):
             for msgs in (MESSAGES, MESSAGES[1:2]):
                 text = hf.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
                 assert fast.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False) == text
-                ids = hf.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True, return_dict=False)
-                assert fast.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True, return_dict=False) == ids
+                ids = hf.apply_chat_template(
+                    msgs, add_generation_prompt=gen, tokenize=True, return_dict=False
+                )
+                assert (
+                    fast.apply_chat_template(
+                        msgs, add_generation_prompt=gen, tokenize=True, return_dict=False
+                    )
+                    == ids
+                )
         kwargs = {"add_generation_prompt": True, "tokenize": False, "extra_var": "<x>"}
         assert fast.apply_chat_template(MESSAGES, **kwargs) == hf.apply_chat_template(MESSAGES, **kwargs)
 
@@ -174,7 +244,9 @@ def test_falls_back_to_transformers(case: str, tiny_tokenizer: Path, tmp_path: P
     assert load_fast_tokenizer(str(path)) is None
     tok = load_tokenizer(str(path))
     assert not isinstance(tok, FastTokenizer)
-    assert tok.encode("Hello world!") == transformers.AutoTokenizer.from_pretrained(str(path)).encode("Hello world!")
+    assert tok.encode("Hello world!") == transformers.AutoTokenizer.from_pretrained(str(path)).encode(
+        "Hello world!"
+    )
 
 
 def test_other_methods_come_from_transformers(tiny_tokenizer: Path, tmp_path: Path) -> None:

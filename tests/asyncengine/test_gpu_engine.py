@@ -20,7 +20,9 @@ def test_gpu_greedy_matches_hf(arch, enforce_eager, tiny_model_factory) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 7, 33, 100)]
     expected = hf_greedy(model, prompts, 12)
-    llm = LLM(model=str(model), device="cuda", dtype="float32", num_kv_blocks=128, enforce_eager=enforce_eager)
+    llm = LLM(
+        model=str(model), device="cuda", dtype="float32", num_kv_blocks=128, enforce_eager=enforce_eager
+    )
     try:
         got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
         assert [o.outputs[0].token_ids for o in got] == expected
@@ -51,8 +53,15 @@ def test_gpu_fp8_cache_triton_matches_reference(enforce_eager, tiny_model_factor
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = []
     for backend in ("triton", "torch"):
-        llm = LLM(model=str(model), device="cuda", dtype="float32", num_kv_blocks=128, kv_cache_dtype="fp8_e5m2",
-                  attention_backend=backend, enforce_eager=enforce_eager)
+        llm = LLM(
+            model=str(model),
+            device="cuda",
+            dtype="float32",
+            num_kv_blocks=128,
+            kv_cache_dtype="fp8_e5m2",
+            attention_backend=backend,
+            enforce_eager=enforce_eager,
+        )
         try:
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         finally:

@@ -101,7 +101,9 @@ def test_logprobs_match_hf_log_softmax(tiny_model_factory, llm_factory) -> None:
     model = tiny_model_factory("llama")
     prompt = list(range(5, 30))
     llm = llm_factory(model)
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5))[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5))[
+        0
+    ]
     completion = out.outputs[0]
     hf = load_hf(model)
     ids = torch.tensor([prompt + completion.token_ids])
@@ -117,7 +119,6 @@ def test_logprobs_match_hf_log_softmax(tiny_model_factory, llm_factory) -> None:
             assert abs(lps[t].logprob - v) < 1e-4
         total += row[token].item()
     assert abs(completion.cumulative_logprob - total) < 1e-3
-
 
 
 def test_llama_with_a_sliding_window_key_matches_hf_generate(tiny_model_factory, llm_factory) -> None:

@@ -17,18 +17,38 @@ from asyncengine.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
 
-ENGINE_SIDE = ("asyncengine.engine", "asyncengine.executor", "asyncengine.entrypoints.server",
-               "asyncengine.entrypoints.openai_api", "asyncengine.entrypoints.websocket",
-               "asyncengine.entrypoints.launcher", "asyncengine.entrypoints.cli", "asyncengine.llm", "asyncengine",
-               "asyncengine.transport.topology", "asyncengine.model_config", "asyncengine.tokenizer")
+ENGINE_SIDE = (
+    "asyncengine.engine",
+    "asyncengine.executor",
+    "asyncengine.entrypoints.server",
+    "asyncengine.entrypoints.openai_api",
+    "asyncengine.entrypoints.websocket",
+    "asyncengine.entrypoints.launcher",
+    "asyncengine.entrypoints.cli",
+    "asyncengine.llm",
+    "asyncengine",
+    "asyncengine.transport.topology",
+    "asyncengine.model_config",
+    "asyncengine.tokenizer",
+)
 FORBIDDEN = ("torch", "transformers")
-FORBIDDEN_PREFIXES = ("asyncengine.models", "asyncengine.layers", "asyncengine.cpu", "asyncengine.worker",
-                      "asyncengine.cuda")
+FORBIDDEN_PREFIXES = (
+    "asyncengine.models",
+    "asyncengine.layers",
+    "asyncengine.cpu",
+    "asyncengine.worker",
+    "asyncengine.cuda",
+)
 
 
 def forbidden(modules: list[str]) -> list[str]:
-    return sorted(m for m in modules if m in FORBIDDEN or m.split(".")[0] in FORBIDDEN
-                  or any(m == p or m.startswith(p + ".") for p in FORBIDDEN_PREFIXES))
+    return sorted(
+        m
+        for m in modules
+        if m in FORBIDDEN
+        or m.split(".")[0] in FORBIDDEN
+        or any(m == p or m.startswith(p + ".") for p in FORBIDDEN_PREFIXES)
+    )
 
 
 def fresh_modules(code: str) -> list[str]:
@@ -46,11 +66,17 @@ def test_engine_side_modules_import_no_torch_nor_model_code() -> None:
 
 @pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"]])
 def test_cli_help_imports_no_torch(argv: list[str]) -> None:
-    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "asyncengine", *argv], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "asyncengine", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert "usage: asyncengine" in out.stdout
-    imported = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
+    imported = [
+        line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")
+    ]
     assert "asyncengine.entrypoints.cli" in imported  # the check sees the CLI's imports
     assert forbidden(imported) == []
 

@@ -25,7 +25,9 @@ def test_fp8_cache_kernel_and_reference_agree(arch, tiny_model_factory, llm_fact
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     outs = []
     for backend in ("cpu", "torch"):
-        llm = llm_factory(model, kv_cache_dtype="fp8_e5m2", attention_backend=backend, max_num_batched_tokens=48)
+        llm = llm_factory(
+            model, kv_cache_dtype="fp8_e5m2", attention_backend=backend, max_num_batched_tokens=48
+        )
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         llm.shutdown()
     assert outs[0] == outs[1]
@@ -34,8 +36,16 @@ def test_fp8_cache_kernel_and_reference_agree(arch, tiny_model_factory, llm_fact
 
 def test_fp8_cache_halves_the_block_bytes(tiny_model_factory) -> None:
     model = tiny_model_factory("llama")
-    runners = [ModelRunner(EngineConfig(model=str(model), kv_cache_dtype=kv), ParallelContext(), torch.device("cpu"),
-                           torch.bfloat16, 256) for kv in ("auto", "fp8_e5m2")]
+    runners = [
+        ModelRunner(
+            EngineConfig(model=str(model), kv_cache_dtype=kv),
+            ParallelContext(),
+            torch.device("cpu"),
+            torch.bfloat16,
+            256,
+        )
+        for kv in ("auto", "fp8_e5m2")
+    ]
     assert runners[0].kv_bytes_per_block == 2 * runners[1].kv_bytes_per_block
     runners[1].init_cache(4)
     assert all(k.dtype == v.dtype == torch.float8_e5m2 for k, v in runners[1].kv_caches)
@@ -57,8 +67,9 @@ def test_fp8_cache_sharded_matches_single_worker(pp, tp, tiny_model_factory, llm
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     outs = []
     for p, t in ((1, 1), (pp, tp)):
-        llm = llm_factory(model, kv_cache_dtype="fp8_e5m2", pipeline_parallel_size=p, tensor_parallel_size=t,
-                          num_threads=1)
+        llm = llm_factory(
+            model, kv_cache_dtype="fp8_e5m2", pipeline_parallel_size=p, tensor_parallel_size=t, num_threads=1
+        )
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         llm.shutdown()
     assert outs[0] == outs[1]

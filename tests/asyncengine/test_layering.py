@@ -21,8 +21,13 @@ import asyncengine.cpu
 import asyncengine.cuda
 
 FLOORS = {"asyncengine.cpu": asyncengine.cpu, "asyncengine.cuda": asyncengine.cuda}
-ABOVE = ("asyncengine.layers", "asyncengine.models", "asyncengine.worker", "asyncengine.engine",
-         "asyncengine.entrypoints")
+ABOVE = (
+    "asyncengine.layers",
+    "asyncengine.models",
+    "asyncengine.worker",
+    "asyncengine.engine",
+    "asyncengine.entrypoints",
+)
 
 
 def _modules(package: str) -> list[str]:
@@ -52,7 +57,8 @@ def test_importing_the_floor_loads_nothing_above(package: str) -> None:
         "report = {}\n"
         f"for name in {modules!r}:\n"
         "    importlib.import_module(name)\n"
-        "    report[name] = sorted(m for m in sys.modules if any(m == a or m.startswith(a + '.') for a in above))\n"
+        "    report[name] = sorted("
+        "m for m in sys.modules if any(m == a or m.startswith(a + '.') for a in above))\n"
         "print(json.dumps(report))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)

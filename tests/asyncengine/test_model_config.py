@@ -21,13 +21,40 @@ from asyncengine.model_config import ModelConfig, is_self_contained, model_max_l
 from asyncengine.models import loader
 from asyncengine.models.llama import LlamaForCausalLM, head_dim_of, sliding_window_of
 
-LLAMA_ATTRS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-               "num_attention_heads", "hidden_act", "rms_norm_eps", "max_position_embeddings")
-GPT2_ATTRS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-              "max_position_embeddings", "n_layer", "n_embd", "activation_function", "layer_norm_epsilon")
-GETATTR_DEFAULTS = {"num_key_value_heads": None, "tie_word_embeddings": None, "n_inner": None, "head_dim": None,
-                    "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-                    "add_cross_attention": False, "sliding_window": None, "partial_rotary_factor": None}
+LLAMA_ATTRS = (
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
+GPT2_ATTRS = (
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "n_layer",
+    "n_embd",
+    "activation_function",
+    "layer_norm_epsilon",
+)
+GETATTR_DEFAULTS = {
+    "num_key_value_heads": None,
+    "tie_word_embeddings": None,
+    "n_inner": None,
+    "head_dim": None,
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "add_cross_attention": False,
+    "sliding_window": None,
+    "partial_rotary_factor": None,
+}
 
 
 def saved(tmp_path: Path, cfg: transformers.PretrainedConfig) -> Path:
@@ -43,19 +70,30 @@ def derived(cfg: Any) -> dict[str, Any]:
     out.update(max_len=model_max_len(cfg), dtype=loader.model_dtype(cfg), head_cost=loader.lm_head_cost(cfg))
     if not gpt2:
         layers = range(cfg.num_hidden_layers)
-        out.update(head_dim=head_dim_of(cfg), windows=[sliding_window_of(cfg, i) for i in layers],
-                   rope=rope_parameters(cfg), rope_positions=max_rope_positions(cfg),
-                   options=LlamaForCausalLM.options(cfg))
+        out.update(
+            head_dim=head_dim_of(cfg),
+            windows=[sliding_window_of(cfg, i) for i in layers],
+            rope=rope_parameters(cfg),
+            rope_positions=max_rope_positions(cfg),
+            options=LlamaForCausalLM.options(cfg),
+        )
     return out
 
 
 CONFIGS = {
     "llama": lambda: hf_config("llama"),
-    "llama tied, biased, rope_theta": lambda: hf_config("llama", tie_word_embeddings=True, attention_bias=True,
-                                                        mlp_bias=True, rope_theta=500000.0, head_dim=32),
+    "llama tied, biased, rope_theta": lambda: hf_config(
+        "llama",
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_theta=500000.0,
+        head_dim=32,
+    ),
     "gpt2": lambda: hf_config("gpt2"),
-    "gpt2 n_inner, scaled": lambda: hf_config("gpt2", n_inner=96, scale_attn_by_inverse_layer_idx=True,
-                                              activation_function="gelu"),
+    "gpt2 n_inner, scaled": lambda: hf_config(
+        "gpt2", n_inner=96, scale_attn_by_inverse_layer_idx=True, activation_function="gelu"
+    ),
 }
 
 
@@ -74,7 +112,9 @@ def test_default_model_config(tmp_path: Path) -> None:
     assert derived(cfg) == derived(transformers.AutoConfig.from_pretrained(default_model_path()))
 
 
-def test_models_built_from_either_config_are_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_models_built_from_either_config_are_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tiny_models import build_tiny_model
 
     for arch in ("llama", "gpt2"):
@@ -88,8 +128,9 @@ def test_models_built_from_either_config_are_identical(tmp_path: Path, monkeypat
         a, b = ours.state_dict(), theirs.state_dict()
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a), arch
-        assert ([(n, tuple(t.shape)) for n, t in ours.named_buffers()]
-                == [(n, tuple(t.shape)) for n, t in theirs.named_buffers()])
+        assert [(n, tuple(t.shape)) for n, t in ours.named_buffers()] == [
+            (n, tuple(t.shape)) for n, t in theirs.named_buffers()
+        ]
         assert all(torch.equal(x, y) for x, y in zip(ours.buffers(), theirs.buffers()))
 
 
@@ -97,11 +138,20 @@ NOT_SELF_CONTAINED = {
     "mistral (sliding-window defaults)": lambda: hf_config("mistral"),
     "qwen2": lambda: hf_config("qwen2"),
     "qwen3": lambda: hf_config("qwen3"),
-    "llama3 rope scaling": lambda: hf_config("llama", rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 256, "rope_theta": 10000.0}),
-    "linear rope scaling": lambda: hf_config("llama", rope_scaling={"rope_type": "linear", "factor": 2.0,
-                                                                    "rope_theta": 10000.0}),
+    "llama3 rope scaling": lambda: hf_config(
+        "llama",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "rope_theta": 10000.0,
+        },
+    ),
+    "linear rope scaling": lambda: hf_config(
+        "llama", rope_scaling={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    ),
 }
 
 
@@ -136,11 +186,17 @@ def test_legacy_rope_theta_config_is_self_contained(tmp_path: Path) -> None:
 def test_gpt2_aliases_and_missing_attributes() -> None:
     cfg = ModelConfig({"model_type": "gpt2", "n_embd": 64, "n_positions": 128, "n_head": 4, "n_layer": 2})
     assert (cfg.hidden_size, cfg.max_position_embeddings, cfg.num_attention_heads, cfg.num_hidden_layers) == (
-        64, 128, 4, 2)
+        64,
+        128,
+        4,
+        2,
+    )
     assert getattr(cfg, "vocab_size", 0) == 0
     with pytest.raises(AttributeError):
         _ = cfg.hidden_act
-    assert not hasattr(ModelConfig({"model_type": "llama", "n_embd": 1}), "hidden_size")  # aliases are per type
+    assert not hasattr(
+        ModelConfig({"model_type": "llama", "n_embd": 1}), "hidden_size"
+    )  # aliases are per type
 
 
 @pytest.mark.parametrize("content", [None, "{not json", "[1, 2]"])

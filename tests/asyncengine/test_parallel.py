@@ -90,8 +90,13 @@ def track_in_flight(llm: LLM) -> list[int]:
 
 def test_scheduler_gives_each_pipeline_batch_its_share() -> None:
     """P=2: the first batch must not take every sequence, or the second stage idles."""
-    sched = Scheduler(BlockManager(num_blocks=64, block_size=4), max_num_seqs=16, max_num_batched_tokens=64,
-                      max_model_len=64, num_batches=2)
+    sched = Scheduler(
+        BlockManager(num_blocks=64, block_size=4),
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        num_batches=2,
+    )
     seqs = [Sequence(i, 0, [5, 6, 7], SamplingParams(max_tokens=4), 4, i) for i in range(7)]
     for s in seqs:
         sched.add(s)
@@ -106,8 +111,13 @@ def test_scheduler_gives_each_pipeline_batch_its_share() -> None:
     assert [s.seq_id for s, *_ in again.scheduled] == [s.seq_id for s, *_ in a.scheduled]
 
     # ... and half the token budget, so a burst of prompts reaches the second stage sooner
-    sched = Scheduler(BlockManager(num_blocks=64, block_size=4), max_num_seqs=16, max_num_batched_tokens=64,
-                      max_model_len=256, num_batches=2)
+    sched = Scheduler(
+        BlockManager(num_blocks=64, block_size=4),
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        num_batches=2,
+    )
     sched.add(Sequence(99, 0, list(range(100)), SamplingParams(max_tokens=4), 4, 99))
     assert [n for _, n, _ in sched.schedule().scheduled] == [32]
 
@@ -118,7 +128,9 @@ CASES += [(arch, layout) for arch in ("llama", "gpt2") for layout in ("pp2", "tp
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("arch", "layout"), CASES, ids=[f"{a}-{lay}" for a, lay in CASES])
-def test_parallel_greedy_matches_single_process(arch, layout, tiny_model_factory, llm_factory, expected) -> None:
+def test_parallel_greedy_matches_single_process(
+    arch, layout, tiny_model_factory, llm_factory, expected
+) -> None:
     model = model_for(arch, tiny_model_factory)
     vocab = MODEL_OVERRIDES[arch].get("vocab_size", 512)
     prompts = make_prompts(vocab)
@@ -126,8 +138,15 @@ def test_parallel_greedy_matches_single_process(arch, layout, tiny_model_factory
     if layout == "pp3" and arch == "gpt2":
         parallel["pp_layer_partition"] = (1, 3, 1)
     # a 16-token budget chunks every long prompt, so P batches of disjoint sequences are in flight
-    llm = llm_factory(model, num_threads=1, max_num_batched_tokens=16, block_size=8, num_kv_blocks=64, max_model_len=128,
-                      **parallel)
+    llm = llm_factory(
+        model,
+        num_threads=1,
+        max_num_batched_tokens=16,
+        block_size=8,
+        num_kv_blocks=64,
+        max_model_len=128,
+        **parallel,
+    )
     depths = track_in_flight(llm)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -159,8 +178,16 @@ def alive(pids: list[int]) -> list[int]:
 async def test_killed_worker_fails_requests_within_seconds(tiny_model_factory) -> None:
     """SIGKILL stage 0 mid-generation (stage 1 is then stuck in a receive that nothing will answer)."""
     model = model_for("llama", tiny_model_factory)
-    engine = await AsyncEngine.start(EngineConfig(model=str(model), dtype="float32", pipeline_parallel_size=2,
-                                                  num_threads=1, num_kv_blocks=256, block_size=8))
+    engine = await AsyncEngine.start(
+        EngineConfig(
+            model=str(model),
+            dtype="float32",
+            pipeline_parallel_size=2,
+            num_threads=1,
+            num_kv_blocks=256,
+            block_size=8,
+        )
+    )
     procs = list(engine.executor.procs)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -238,8 +265,13 @@ def test_multi_node_config_errors_are_typed(tiny_model_factory, tmp_path) -> Non
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        config = EngineConfig(model=model, pipeline_parallel_size=2, nnodes=2, head_port=port,
-                              key_file=str(tmp_path / "keys.json"))
+        config = EngineConfig(
+            model=model,
+            pipeline_parallel_size=2,
+            nnodes=2,
+            head_port=port,
+            key_file=str(tmp_path / "keys.json"),
+        )
         with pytest.raises(ConfigError, match="cannot set up"):
             Executor(config)
 
@@ -268,9 +300,19 @@ def test_two_nodes_on_loopback(tiny_model_factory, expected, tmp_path) -> None:
 
     def start_head() -> None:
         try:
-            box["llm"] = LLM(model=str(model), dtype="float32", pipeline_parallel_size=2, num_threads=1,
-                             num_kv_blocks=64, block_size=8, max_model_len=128, max_num_batched_tokens=16, nnodes=2, head_port=port,
-                             key_file=str(key_file))
+            box["llm"] = LLM(
+                model=str(model),
+                dtype="float32",
+                pipeline_parallel_size=2,
+                num_threads=1,
+                num_kv_blocks=64,
+                block_size=8,
+                max_model_len=128,
+                max_num_batched_tokens=16,
+                nnodes=2,
+                head_port=port,
+                key_file=str(key_file),
+            )
         except BaseException as e:  # surfaced by the main thread
             box["error"] = e
 
@@ -283,9 +325,22 @@ def test_two_nodes_on_loopback(tiny_model_factory, expected, tmp_path) -> None:
             time.sleep(0.05)
         assert key_file.exists(), box.get("error")
         assert key_file.stat().st_mode & 0o777 == 0o600
-        launcher = subprocess.Popen([sys.executable, "-m", "asyncengine.entrypoints.worker_cli", "--head",
-                                     f"127.0.0.1:{port}", "--node-rank", "1", "--key-file", str(key_file),
-                                     "--nproc", "1"], stdin=subprocess.DEVNULL)
+        launcher = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "asyncengine.entrypoints.worker_cli",
+                "--head",
+                f"127.0.0.1:{port}",
+                "--node-rank",
+                "1",
+                "--key-file",
+                str(key_file),
+                "--nproc",
+                "1",
+            ],
+            stdin=subprocess.DEVNULL,
+        )
         head.join(120)
         assert "llm" in box, box.get("error")
         llm: LLM = box["llm"]
@@ -295,7 +350,9 @@ def test_two_nodes_on_loopback(tiny_model_factory, expected, tmp_path) -> None:
 
         # node 1 dies: its worker's connection drops and the head fails requests at once
         local = {p.pid for p in llm.engine.executor.procs}
-        remote = [pid for pid in processes_mentioning(f"127.0.0.1:{port}") if pid not in local | {launcher.pid}]
+        remote = [
+            pid for pid in processes_mentioning(f"127.0.0.1:{port}") if pid not in local | {launcher.pid}
+        ]
         assert len(local) == 1 and len(remote) == 1  # one rank per node
         launcher.kill()
         launcher.wait(5)

@@ -10,8 +10,10 @@ from asyncengine.errors import ConfigError
 from asyncengine.models.loader import lm_head_cost
 
 
-@pytest.mark.parametrize("num_layers,pp_size,expected", [(12, 2, (6, 6)), (3, 2, (2, 1)), (5, 3, (2, 2, 1)),
-                                                         (7, 7, (1,) * 7), (9, 1, (9,))])
+@pytest.mark.parametrize(
+    "num_layers,pp_size,expected",
+    [(12, 2, (6, 6)), (3, 2, (2, 1)), (5, 3, (2, 2, 1)), (7, 7, (1,) * 7), (9, 1, (9,))],
+)
 def test_without_head_cost_the_split_is_even_with_the_remainder_first(num_layers, pp_size, expected) -> None:
     assert default_partition(num_layers, pp_size) == expected
 
@@ -29,8 +31,10 @@ def test_default_partition_minimises_the_busiest_stage(num_layers, pp_size, head
     busiest = max(*parts[:-1], parts[-1] + head_cost)
     # no split with a lighter busiest stage exists: brute force over the last stage's share and the
     # best possible (even) spread of the rest
-    best = min(max(-(-(num_layers - last) // (pp_size - 1)), last + head_cost)
-               for last in range(1, num_layers - pp_size + 2))
+    best = min(
+        max(-(-(num_layers - last) // (pp_size - 1)), last + head_cost)
+        for last in range(1, num_layers - pp_size + 2)
+    )
     assert busiest == pytest.approx(best)
 
 
@@ -43,12 +47,23 @@ def test_layer_ranges_tile_the_model() -> None:
 
 
 def test_lm_head_cost_counts_the_vocab_matmul_in_layers() -> None:
-    llama = LlamaConfig(hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=12,
-                        vocab_size=32000, num_hidden_layers=12)
+    llama = LlamaConfig(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        vocab_size=32000,
+        num_hidden_layers=12,
+    )
     layer = 4 * 768 * 768 + 3 * 768 * 2048
     assert lm_head_cost(llama) == pytest.approx(0.5 * 32000 * 768 / layer)
-    gqa = LlamaConfig(hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=4,
-                      vocab_size=32000)
+    gqa = LlamaConfig(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    )
     assert lm_head_cost(gqa) > lm_head_cost(llama)  # smaller K/V projections: the head weighs more
     gpt2 = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000)
     assert lm_head_cost(gpt2) == pytest.approx(0.5 * 1000 * 64 / (4 * 64 * 64 + 2 * 64 * 256))

@@ -74,8 +74,10 @@ def make_prompts(vocab: int) -> list[list[int]]:
 
 def accepted(llm) -> tuple[float, float]:
     registry = llm.engine.stats.registry
-    return (registry.get_sample_value("asyncengine:spec_decode_num_draft_tokens_total"),
-            registry.get_sample_value("asyncengine:spec_decode_num_accepted_tokens_total"))
+    return (
+        registry.get_sample_value("asyncengine:spec_decode_num_draft_tokens_total"),
+        registry.get_sample_value("asyncengine:spec_decode_num_accepted_tokens_total"),
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -92,8 +94,14 @@ def test_speculative_greedy_matches_hf(arch, tiny_model_factory, llm_factory) ->
 
     # chunked prefill, preemption by recompute (drafts dropped with the sequence) and a small budget
     # that caps the drafts of the sequences scheduled last
-    llm = llm_factory(model, num_speculative_tokens=3, max_num_batched_tokens=24, num_kv_blocks=22,
-                      max_model_len=300, block_size=16)
+    llm = llm_factory(
+        model,
+        num_speculative_tokens=3,
+        max_num_batched_tokens=24,
+        num_kv_blocks=22,
+        max_model_len=300,
+        block_size=16,
+    )
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.block_manager.num_free_blocks == 22
@@ -107,7 +115,9 @@ def test_drafts_respect_lengths_stops_and_other_requests(tiny_model_factory, llm
     prompts = make_prompts(512)
     plain = llm_factory(model)
     spec = llm_factory(model, num_speculative_tokens=5)
-    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 2, 5, 9, 13, 17, 30)]
+    greedy = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 2, 5, 9, 13, 17, 30)
+    ]
     reference = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
     stop_at = reference[4][6]  # a token the model emits mid-way: ends the output at its first occurrence
     others = [
@@ -115,7 +125,9 @@ def test_drafts_respect_lengths_stops_and_other_requests(tiny_model_factory, llm
         SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3),
-        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, min_tokens=6, stop_token_ids=[stop_at]),
+        SamplingParams(
+            temperature=0.0, max_tokens=10, ignore_eos=True, min_tokens=6, stop_token_ids=[stop_at]
+        ),
     ]
     batch_prompts = prompts + [prompts[4]] * len(others)
     params = greedy + others
@@ -138,7 +150,9 @@ def test_streaming_gets_every_accepted_token(tiny_model_factory, llm_factory) ->
     model = tiny_model_factory("llama")
     llm = llm_factory(model, num_speculative_tokens=4)
     prompt = make_prompts(512)[5]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, output_kind=OutputKind.DELTA)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, output_kind=OutputKind.DELTA
+    )
 
     async def collect() -> list[list[int]]:
         return [list(o.outputs[0].token_ids) async for o in llm.engine.generate(prompt, params)]
@@ -197,7 +211,9 @@ def test_worker_state_drops_rejected_drafts() -> None:
     step = batch.update(ExecuteModelRequest(2, cached_seqs=[CachedSeq(7, 1, [5], [], 1, 0)]))
     assert state.token_ids == [1, 2, 3, 9, 9, 5] and state.num_computed_tokens == 5
     assert state.output_counts == {9: 2, 5: 1}
-    with pytest.raises(ValueError):  # more rejected tokens than outputs: a corrupt diff, not a silent rollback
+    with pytest.raises(
+        ValueError
+    ):  # more rejected tokens than outputs: a corrupt diff, not a silent rollback
         batch.update(ExecuteModelRequest(3, cached_seqs=[CachedSeq(7, 1, [], [], 4, 0)]))
     with pytest.raises(ValueError):
         batch.update(ExecuteModelRequest(4, cached_seqs=[CachedSeq(7, 2, [1, 2], [], 0, 2)]))
@@ -221,6 +237,10 @@ def test_text_and_stop_strings_with_drafts(tiny_model_factory, llm_factory) -> N
             continue
         stop = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[text[8:11]])
         a, b = plain.generate(w.prompt, stop)[0].outputs[0], spec.generate(w.prompt, stop)[0].outputs[0]
-        assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == (a.text, a.token_ids, a.finish_reason,
-                                                                          a.stop_reason)
+        assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == (
+            a.text,
+            a.token_ids,
+            a.finish_reason,
+            a.stop_reason,
+        )
         assert b.finish_reason == "stop"

@@ -33,8 +33,14 @@ def test_workers_mirror_the_engine(mode: str, seed: int) -> None:
     rng = random.Random(seed)
     run_ahead = mode == "run_ahead"
     proposer = None if run_ahead else NgramProposer(3, 1, 3)
-    scheduler = Scheduler(BlockManager(24, 4, enable_prefix_caching=True), max_num_seqs=6,
-                          max_num_batched_tokens=24, max_model_len=64, run_ahead=run_ahead, proposer=proposer)
+    scheduler = Scheduler(
+        BlockManager(24, 4, enable_prefix_caching=True),
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        max_model_len=64,
+        run_ahead=run_ahead,
+        proposer=proposer,
+    )
     encoder = StepEncoder({0}, run_ahead)
     codec = engine_codec()
     workers = InputBatch(torch.device("cpu"))
@@ -59,7 +65,8 @@ def test_workers_mirror_the_engine(mode: str, seed: int) -> None:
                 assert state.token_ids == seq.token_ids + pending + seq.draft_token_ids
                 assert state.block_ids == seq.block_ids[: len(state.block_ids)]
                 assert len(state.block_ids) == len(seq.block_ids)
-                # the workers have computed what earlier steps in flight carry; the engine counts it on their return
+                # the workers have computed what earlier steps in flight carry; the engine counts it on
+                # their return
                 assert state.num_computed_tokens == seq.num_computed_tokens + seq.num_inflight_tokens - num
                 checked += 1
             workers.mark_computed(batch)

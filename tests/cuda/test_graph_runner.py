@@ -203,7 +203,9 @@ def test_cuda_graph_with_triton_decode_kernel():
         out = runner.run(batch)
         for i in range(3):
             n = int(seq_lens[i])
-            keys = gather_kv(k_cache, tables[i], n, k_cache.dtype).repeat_interleave(2, 1).transpose(0, 1)  # [H, n, D]
+            keys = (
+                gather_kv(k_cache, tables[i], n, k_cache.dtype).repeat_interleave(2, 1).transpose(0, 1)
+            )  # [H, n, D]
             values = gather_kv(v_cache, tables[i], n, v_cache.dtype).repeat_interleave(2, 1).transpose(0, 1)
             q = queries[int(batch.input_ids[i])][:, None]  # [H, 1, D]
             ref = torch.softmax((q @ keys.transpose(1, 2)) * 0.1, -1) @ values

@@ -146,8 +146,17 @@ def test_sliding_window(kernels, window):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     q, k, v, k_cache, v_cache, meta = make_batch([37, 18, 1, 4], [37, 50, 33, 70], 2, 2, 64, 16)
     ref = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, SCALE, window)
-    out = kernels.paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                          meta.seq_lens, meta.max_query_len, SCALE, window)
+    out = kernels.paged_attention_prefill(
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.max_query_len,
+        SCALE,
+        window,
+    )
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -240,5 +249,7 @@ def test_fp8_cache(kernels, dtype):
     )
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
     rows = meta.query_start_loc[1:] - 1  # each sequence's last row, as a decode step over its context
-    out = kernels.paged_attention_decode(q[rows.long()], k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE)
+    out = kernels.paged_attention_decode(
+        q[rows.long()], k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE
+    )
     torch.testing.assert_close(out.float(), expected[rows.long()], atol=tol, rtol=tol)

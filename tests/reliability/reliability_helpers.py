@@ -41,7 +41,9 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory, **overrides: int) -> Pa
     """A tiny Llama with a byte-level BPE tokenizer, built once per session per set of overrides."""
     key = tuple(sorted(overrides.items()))
     if key not in _models:
-        _models[key] = build_tiny_model_with_tokenizer("llama", tmp_path_factory.mktemp("rel-model"), **overrides)
+        _models[key] = build_tiny_model_with_tokenizer(
+            "llama", tmp_path_factory.mktemp("rel-model"), **overrides
+        )
     return _models[key]
 
 

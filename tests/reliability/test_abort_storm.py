@@ -56,8 +56,9 @@ class Storm:
         n = self.rng.randint(80, 140) if plan == "prefill" else self.rng.randint(2, 12)
         prompt = [self.rng.randrange(3, 512) for _ in range(n)]
         max_tokens = self.rng.randint(2, 16)
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=self.rng.choice([0.0, 1.0]),
-                                seed=i)
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, temperature=self.rng.choice([0.0, 1.0]), seed=i
+        )
         rid = f"storm-{i}"
         stream = self.engine.generate(prompt, params, rid)
         state = self.engine.requests[rid]
@@ -102,9 +103,16 @@ class Storm:
 async def test_abort_storm_frees_every_block(tmp_path_factory: pytest.TempPathFactory) -> None:
     model: Path = chat_model(tmp_path_factory)
     # num_threads=1: on a shared, oversubscribed CPU two torch threads per worker make each step ~30x slower
-    engine = await AsyncEngine.start(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=NUM_BLOCKS,
-                                                  max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS,
-                                                  num_threads=1))
+    engine = await AsyncEngine.start(
+        EngineConfig(
+            model=str(model),
+            dtype="float32",
+            num_kv_blocks=NUM_BLOCKS,
+            max_num_batched_tokens=BUDGET,
+            max_num_seqs=MAX_SEQS,
+            num_threads=1,
+        )
+    )
     try:
         storm = Storm(engine, random.Random(1234))
         process = engine._process
@@ -123,8 +131,10 @@ async def test_abort_storm_frees_every_block(tmp_path_factory: pytest.TempPathFa
         assert not storm.prefill_targets
         engine._process = process  # type: ignore[method-assign]
         elapsed = time.monotonic() - t0
-        print(f"abort storm: {NUM_REQUESTS} requests in {elapsed:.1f}s; aborted at {dict(storm.phases)}; "
-              f"finish reasons {dict(storm.finish_reasons)}")
+        print(
+            f"abort storm: {NUM_REQUESTS} requests in {elapsed:.1f}s; aborted at {dict(storm.phases)}; "
+            f"finish reasons {dict(storm.finish_reasons)}"
+        )
         assert sum(storm.phases.values()) == NUM_REQUESTS
         assert sum(storm.finish_reasons.values()) == NUM_REQUESTS
         for where in ("waiting", "prefill", "decode", "finished"):

@@ -64,8 +64,12 @@ def generate_frame(request_id: str, prompt: Any, params: dict[str, Any]) -> dict
 TEN_MB = BODY_LIMIT + 1024  # 10 MiB and a bit: over both the body and the frame limit
 
 CASES = [
-    Case("malformed_json", ws_raw=lambda: '{"type": "generate", "request_id": "b", "prompt": ',
-         http_raw=lambda: b'{"prompt": "hi", ', py=None),
+    Case(
+        "malformed_json",
+        ws_raw=lambda: '{"type": "generate", "request_id": "b", "prompt": ',
+        http_raw=lambda: b'{"prompt": "hi", ',
+        py=None,
+    ),
     Case("json_not_an_object", ws_raw=lambda: '["generate", "hi"]', http_raw=lambda: b'["hi"]', py=None),
     Case("unknown_frame_type", ws_raw=lambda: '{"type": "bogus", "request_id": "b"}', http=False, py=None),
     Case("missing_request_id", ws_raw=lambda: '{"type": "generate", "prompt": "hi"}', http=False, py=None),
@@ -76,8 +80,12 @@ CASES = [
     Case("temperature_wrong_type", params={"temperature": "hot"}),
     Case("max_tokens_wrong_type", params={"max_tokens": "many"}),
     Case("stop_wrong_type", params={"stop": 5}),
-    Case("params_not_an_object",
-         ws_raw=lambda: '{"type": "generate", "request_id": "b", "prompt": "hi", "params": [1]}', http=False, py=None),
+    Case(
+        "params_not_an_object",
+        ws_raw=lambda: '{"type": "generate", "request_id": "b", "prompt": "hi", "params": [1]}',
+        http=False,
+        py=None,
+    ),
     # unknown fields are refused on every surface, as OpenAI's HTTP API does (a typo is no request for
     # the default); the fields OpenAI's SDK and vLLM's clients send are all known
     Case("unknown_param", params={"bogus_param": 1}),
@@ -98,16 +106,29 @@ CASES = [
     Case("token_id_negative", prompt=[5, -1]),
     # a websocket text frame must be UTF-8 (the client library refuses to send otherwise): a binary frame
     # carries the invalid bytes; Python strings cannot hold them, so the Python API gets bytes
-    Case("invalid_utf8", prompt=b"\xff\xfe",
-         ws_raw=lambda: b'{"type": "generate", "request_id": "b", "prompt": "\xff\xfe"}',
-         http_raw=lambda: b'{"prompt": "\xff\xfe", "max_tokens": 4}'),
+    Case(
+        "invalid_utf8",
+        prompt=b"\xff\xfe",
+        ws_raw=lambda: b'{"type": "generate", "request_id": "b", "prompt": "\xff\xfe"}',
+        http_raw=lambda: b'{"prompt": "\xff\xfe", "max_tokens": 4}',
+    ),
     Case("lone_surrogate", prompt="ab\ud800cd"),  # json.dumps writes the \ud800 escape
     Case("thousands_of_stop_strings", params={"stop": [f"s{i}" for i in range(5000)]}),
     Case("huge_stop_string", params={"stop": ["x" * 100_000]}),
-    Case("frame_over_limit", ws_raw=lambda: json.dumps(generate_frame("b", "x" * (FRAME_LIMIT + 1), {})),
-         status=413, http=False, py=None),
-    Case("ten_mb", ws_raw=lambda: json.dumps(generate_frame("b", "x" * TEN_MB, {})),
-         http_raw=lambda: json.dumps({"prompt": "x" * TEN_MB}).encode(), status=413, py=None),
+    Case(
+        "frame_over_limit",
+        ws_raw=lambda: json.dumps(generate_frame("b", "x" * (FRAME_LIMIT + 1), {})),
+        status=413,
+        http=False,
+        py=None,
+    ),
+    Case(
+        "ten_mb",
+        ws_raw=lambda: json.dumps(generate_frame("b", "x" * TEN_MB, {})),
+        http_raw=lambda: json.dumps({"prompt": "x" * TEN_MB}).encode(),
+        status=413,
+        py=None,
+    ),
     Case("duplicate_request_id"),  # special-cased on each surface; HTTP assigns its own ids
     Case("cancel_unknown_id", http=False),  # Python: abort() of an unknown id returns False
 ]
@@ -127,8 +148,17 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     # not waited for here: the Python tests (first in the file) start their engine while it loads
-    srv = start_server(model, tmp_path_factory.mktemp("bad-input"), "--max-model-len", str(MAX_LEN),
-                       "--shutdown-timeout", "20", "--num-threads", "1", wait=False)
+    srv = start_server(
+        model,
+        tmp_path_factory.mktemp("bad-input"),
+        "--max-model-len",
+        str(MAX_LEN),
+        "--shutdown-timeout",
+        "20",
+        "--num-threads",
+        "1",
+        wait=False,
+    )
     yield srv
     stop(srv)  # normally gone already: the last test shuts it down
 
@@ -151,15 +181,20 @@ def reference(http: httpx.Client) -> str:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(model: Path) -> AsyncIterator[AsyncEngine]:
-    eng = await AsyncEngine.start(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=80,
-                                               max_model_len=MAX_LEN, num_threads=1))
+    eng = await AsyncEngine.start(
+        EngineConfig(
+            model=str(model), dtype="float32", num_kv_blocks=80, max_model_len=MAX_LEN, num_threads=1
+        )
+    )
     yield eng
     if not eng.closing:  # the shutdown test closes it itself
         await eng.shutdown()
 
 
 # -- Python -----------------------------------------------------------------------------------------
-async def py_text(engine: AsyncEngine, prompt: Any, params: SamplingParams, request_id: str | None = None) -> str:
+async def py_text(
+    engine: AsyncEngine, prompt: Any, params: SamplingParams, request_id: str | None = None
+) -> str:
     text = ""
     async for out in engine.generate(prompt, params, request_id):
         text = out.outputs[0].text
@@ -175,7 +210,9 @@ def valid_params() -> SamplingParams:
 async def test_python(case: Case, server: ServerProcess, engine: AsyncEngine, reference: str) -> None:
     # (server first: it loads in its own process while the engine starts here)
     if case.name == "duplicate_request_id":
-        first = asyncio.create_task(py_text(engine, "first", SamplingParams(max_tokens=40, ignore_eos=True), "dup"))
+        first = asyncio.create_task(
+            py_text(engine, "first", SamplingParams(max_tokens=40, ignore_eos=True), "dup")
+        )
         await asyncio.sleep(0)  # the first is queued under "dup"
         with pytest.raises(InvalidRequestError, match="already running"):
             await py_text(engine, "second", SamplingParams(), "dup")
@@ -194,8 +231,15 @@ async def test_python(case: Case, server: ServerProcess, engine: AsyncEngine, re
 
 def test_python_constructor_checks_ranges() -> None:
     """The keyword constructor validates too: out-of-range values raise SamplingParamsError (a ValueError)."""
-    for bad in ({"temperature": -1.0}, {"temperature": math.nan}, {"top_p": 0.0}, {"top_p": 1.01},
-                {"max_tokens": 0}, {"n": 0}, {"stop": ["s"] * 1000}):
+    for bad in (
+        {"temperature": -1.0},
+        {"temperature": math.nan},
+        {"top_p": 0.0},
+        {"top_p": 1.01},
+        {"max_tokens": 0},
+        {"n": 0},
+        {"stop": ["s"] * 1000},
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 
@@ -240,7 +284,9 @@ def ws_duplicate(ws: ClientConnection, attempts: int = 3) -> None:
             tokens += len(frame.get("token_ids", []))
         errors = [f for f in frames if f["type"] == "error"]
         if errors:
-            assert errors == [{"type": "error", "request_id": "dup", "code": 400, "message": errors[0]["message"]}]
+            assert errors == [
+                {"type": "error", "request_id": "dup", "code": 400, "message": errors[0]["message"]}
+            ]
             assert frame["usage"]["completion_tokens"] == tokens == 100, frame  # the first carried on
             return
         # NOTE: on a busy machine the first may finish (100 steps) before the second frame is read; the id
@@ -262,7 +308,11 @@ def test_websocket(case: Case, server: ServerProcess, reference: str) -> None:
             assert ws_error(ws)["code"] == 400
             ws_valid(ws, reference)
             return
-        ws.send(case.ws_raw() if case.ws_raw is not None else json.dumps(generate_frame("b", case.prompt, case.params)))
+        ws.send(
+            case.ws_raw()
+            if case.ws_raw is not None
+            else json.dumps(generate_frame("b", case.prompt, case.params))
+        )
         try:
             frame = ws_error(ws)
         except ConnectionClosed as closed:
@@ -297,7 +347,9 @@ def test_http(case: Case, http: httpx.Client, reference: str) -> None:
         assert len({t["id"] for t in texts}) == 4
         return
     try:
-        r = http.post("/v1/completions", content=http_body(case), headers={"Content-Type": "application/json"})
+        r = http.post(
+            "/v1/completions", content=http_body(case), headers={"Content-Type": "application/json"}
+        )
     except httpx.WriteError:
         # the server may answer 413 and close while a 10 MB body is still being written
         assert case.status == 413
@@ -329,7 +381,10 @@ async def test_requests_after_shutdown_began(server: ServerProcess, engine: Asyn
     # server: a live websocket request keeps the drain going (--shutdown-timeout 20); meanwhile new
     # requests on already open connections get 503, and new connections are refused
     def server_side() -> None:
-        with connect(server.ws_url, open_timeout=20) as ws, httpx.Client(base_url=server.base, timeout=10) as http:
+        with (
+            connect(server.ws_url, open_timeout=20) as ws,
+            httpx.Client(base_url=server.base, timeout=10) as http,
+        ):
             assert http.get("/health").status_code == 200  # opens the keep-alive connection
             # ~1,000 steps: it outlives the checks below by far, so the drain is still waiting for it
             ws.send(json.dumps(generate_frame("long", "x", {"max_tokens": MAX_LEN - 8, "ignore_eos": True})))

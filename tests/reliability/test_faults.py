@@ -42,8 +42,9 @@ async def wait_for_tokens(engine: AsyncEngine) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 async def test_dead_or_frozen_worker_fails_in_flight_requests(model, sig) -> None:
-    engine = await AsyncEngine.start(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=128,
-                                                  step_timeout=2.0))
+    engine = await AsyncEngine.start(
+        EngineConfig(model=str(model), dtype="float32", num_kv_blocks=128, step_timeout=2.0)
+    )
     pid = engine.executor.procs[0].pid
     try:
         task = asyncio.create_task(stream_until_dead(engine, 8))
@@ -68,8 +69,9 @@ async def test_dead_or_frozen_worker_fails_in_flight_requests(model, sig) -> Non
 
 
 async def test_kv_exhaustion_preempts_and_completes(model) -> None:
-    engine = await AsyncEngine.start(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=20,
-                                                  block_size=8, max_model_len=160))
+    engine = await AsyncEngine.start(
+        EngineConfig(model=str(model), dtype="float32", num_kv_blocks=20, block_size=8, max_model_len=160)
+    )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         prompts = [[3 + i] * (10 + 9 * i) for i in range(8)]  # up to 113 tokens: 15 of the 20 blocks

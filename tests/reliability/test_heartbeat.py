@@ -75,8 +75,12 @@ def test_channel_drops_frozen_subscriber_keeps_busy_one(tmp_path: Path) -> None:
     ctx = zmq.Context()
     endpoints = Endpoints.local()
     sender = BroadcastSender(ctx, endpoints, heartbeat_timeout_s=1.0)
-    procs = [subprocess.Popen([sys.executable, "-c", SUBSCRIBER, endpoints.broadcast, endpoints.results, role],
-                              cwd=tmp_path) for role in ("busy", "frozen")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SUBSCRIBER, endpoints.broadcast, endpoints.results, role], cwd=tmp_path
+        )
+        for role in ("busy", "frozen")
+    ]
     try:
         sender.wait_for_subscribers(2, 60)
         with frozen(procs[1].pid):
@@ -94,13 +98,14 @@ def test_channel_drops_frozen_subscriber_keeps_busy_one(tmp_path: Path) -> None:
             p.wait()
         sender.close()
         ctx.term()
-        shutil.rmtree(Path(endpoints.broadcast[len("ipc://"):]).parent, ignore_errors=True)
+        shutil.rmtree(Path(endpoints.broadcast[len("ipc://") :]).parent, ignore_errors=True)
 
 
 # -- the engine ------------------------------------------------------------------------------------
 async def test_frozen_idle_worker_makes_engine_dead(model: Path) -> None:
-    engine = await AsyncEngine.start(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=64,
-                                                  num_threads=1))
+    engine = await AsyncEngine.start(
+        EngineConfig(model=str(model), dtype="float32", num_kv_blocks=64, num_threads=1)
+    )
     pid = engine.executor.procs[0].pid
     try:
         out = [o async for o in engine.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))]
@@ -119,8 +124,9 @@ async def test_frozen_idle_worker_makes_engine_dead(model: Path) -> None:
 
 
 async def test_frozen_busy_worker_fails_requests_before_step_timeout(model: Path) -> None:
-    engine = await AsyncEngine.start(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=256,
-                                                  num_threads=1, step_timeout=60.0))
+    engine = await AsyncEngine.start(
+        EngineConfig(model=str(model), dtype="float32", num_kv_blocks=256, num_threads=1, step_timeout=60.0)
+    )
     pid = engine.executor.procs[0].pid
     first = asyncio.Event()
 
@@ -166,12 +172,19 @@ SLOW_STEP_HOOK = textwrap.dedent("""
 """)
 
 
-async def test_long_step_is_not_a_freeze(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_long_step_is_not_a_freeze(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "sitecustomize.py").write_text(SLOW_STEP_HOOK)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    )
     monkeypatch.setenv("HEARTBEAT_TEST_SLOW_STEP_S", "4")
-    engine = await AsyncEngine.start(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=64,
-                                                  num_threads=1, heartbeat_timeout=1.0))
+    engine = await AsyncEngine.start(
+        EngineConfig(
+            model=str(model), dtype="float32", num_kv_blocks=64, num_threads=1, heartbeat_timeout=1.0
+        )
+    )
     try:
         t0 = time.monotonic()
         outs = [o async for o in engine.generate([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))]
@@ -227,9 +240,18 @@ async def test_frozen_remote_worker_over_tcp(model: Path, tmp_path: Path) -> Non
     """nnodes=2 on loopback (TCP + CURVE): node 1's worker, frozen while the engine is idle, is noticed
     through the same heartbeat; no process handle of it exists on the head."""
     port, key_file = free_port_pair(), tmp_path / "keys.json"
-    config = EngineConfig(model=str(model), dtype="float32", pipeline_parallel_size=2, nnodes=2, head_port=port,
-                          key_file=str(key_file), num_threads=1, num_kv_blocks=64, max_model_len=128,
-                          heartbeat_timeout=2.0)
+    config = EngineConfig(
+        model=str(model),
+        dtype="float32",
+        pipeline_parallel_size=2,
+        nnodes=2,
+        head_port=port,
+        key_file=str(key_file),
+        num_threads=1,
+        num_kv_blocks=64,
+        max_model_len=128,
+        heartbeat_timeout=2.0,
+    )
     starting = asyncio.create_task(AsyncEngine.start(config))
     launcher, remote = None, []
     try:
@@ -238,9 +260,22 @@ async def test_frozen_remote_worker_over_tcp(model: Path, tmp_path: Path) -> Non
                 break
             await asyncio.sleep(0.05)
         assert key_file.exists(), starting.exception() if starting.done() else "no key file"
-        launcher = subprocess.Popen([sys.executable, "-m", "asyncengine.entrypoints.worker_cli", "--head",
-                                     f"127.0.0.1:{port}", "--node-rank", "1", "--key-file", str(key_file),
-                                     "--nproc", "1"], stdin=subprocess.DEVNULL)
+        launcher = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "asyncengine.entrypoints.worker_cli",
+                "--head",
+                f"127.0.0.1:{port}",
+                "--node-rank",
+                "1",
+                "--key-file",
+                str(key_file),
+                "--nproc",
+                "1",
+            ],
+            stdin=subprocess.DEVNULL,
+        )
         engine = await asyncio.wait_for(starting, 120)
         try:
             out = [o async for o in engine.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))]

@@ -27,8 +27,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     stop(srv)
 
 
-def stream_gaps(server: ServerProcess, started: threading.Event,
-                until: threading.Event) -> list[tuple[float, float]]:
+def stream_gaps(
+    server: ServerProcess, started: threading.Event, until: threading.Event
+) -> list[tuple[float, float]]:
     """Streams tokens over the websocket, request after request, until `until` is set; the gaps between
     deltas within each request (seconds)."""
     gaps: list[tuple[float, float]] = []  # (when, gap)
@@ -36,8 +37,16 @@ def stream_gaps(server: ServerProcess, started: threading.Event,
         for i in range(1000):
             if until.is_set():
                 break
-            ws.send(json.dumps({"type": "generate", "request_id": f"r{i}", "prompt": "def f(x):",
-                                "params": {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}}))
+            ws.send(
+                json.dumps(
+                    {
+                        "type": "generate",
+                        "request_id": f"r{i}",
+                        "prompt": "def f(x):",
+                        "params": {"max_tokens": 1000, "ignore_eos": True, "temperature": 0},
+                    }
+                )
+            )
             last = None
             while True:
                 frame = json.loads(ws.recv(timeout=30))
@@ -53,17 +62,25 @@ def stream_gaps(server: ServerProcess, started: threading.Event,
     return gaps
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", lambda text: {"prompt": text, "max_tokens": 2}),
-    ("/v1/chat/completions", lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 2}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", lambda text: {"prompt": text, "max_tokens": 2}),
+        (
+            "/v1/chat/completions",
+            lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 2},
+        ),
+    ],
+)
 def test_a_huge_prompt_does_not_stall_other_streams(server: ServerProcess, path: str, body) -> None:
     # NOTE: the client is made first: its SSL context takes the test process's GIL for a second, which
     # would stall the streaming thread here, not the server
     http = httpx.Client(timeout=60)
     started, until = threading.Event(), threading.Event()
     result: list[list[tuple[float, float]]] = []
-    streamer = threading.Thread(target=lambda: result.append(stream_gaps(server, started, until)), daemon=True)
+    streamer = threading.Thread(
+        target=lambda: result.append(stream_gaps(server, started, until)), daemon=True
+    )
     streamer.start()
     assert started.wait(30)
     time.sleep(0.5)  # some gaps before, for the baseline
@@ -77,6 +94,8 @@ def test_a_huge_prompt_does_not_stall_other_streams(server: ServerProcess, path:
     streamer.join(30)
     assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text[:300]
     gaps = [gap for when, gap in result[0] if when >= t0]  # while the huge request was in (not warm-up)
-    print(f"{path}: 9 MB prompt answered in {answered:.2f}s; other stream's largest gap {max(gaps):.3f}s "
-          f"over {len(gaps)} tokens")
+    print(
+        f"{path}: 9 MB prompt answered in {answered:.2f}s; other stream's largest gap {max(gaps):.3f}s "
+        f"over {len(gaps)} tokens"
+    )
     assert max(gaps) < 1.0  # was 13.7 s: the prompt was tokenized on the loop

@@ -39,9 +39,14 @@ def test_no_pickle_imports_or_dangerous_calls() -> None:
                 name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
                 # model.eval() is a method; the builtin eval is a bare name
                 if (isinstance(func, ast.Attribute) and name in FORBIDDEN_METHODS) or (
-                        isinstance(func, ast.Name) and name in FORBIDDEN_BUILTINS):
+                    isinstance(func, ast.Name) and name in FORBIDDEN_BUILTINS
+                ):
                     offences.append(f"{path}:{node.lineno} calls {name}")
-                if name == "load" and isinstance(func, ast.Attribute) and getattr(func.value, "id", "") == "torch":
+                if (
+                    name == "load"
+                    and isinstance(func, ast.Attribute)
+                    and getattr(func.value, "id", "") == "torch"
+                ):
                     weights_only = [k for k in node.keywords if k.arg == "weights_only"]
                     if not weights_only or getattr(weights_only[0].value, "value", None) is not True:
                         offences.append(f"{path}:{node.lineno} torch.load without weights_only=True")

@@ -43,8 +43,10 @@ def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     # 2 x 3000 tokens fit in 512 blocks of 16: no preemption noise
     # one torch thread per worker: on a shared, oversubscribed CPU two make every step far slower
     common = ("--num-kv-blocks", "512", "--step-timeout", str(STEP_TIMEOUT_S), "--num-threads", "1")
-    started = {"restart": start_server(model, tmp, *common, "--restart-workers", wait=False),
-               "exit": start_server(model, tmp, *common, "-pp", "2", wait=False)}
+    started = {
+        "restart": start_server(model, tmp, *common, "--restart-workers", wait=False),
+        "exit": start_server(model, tmp, *common, "-pp", "2", wait=False),
+    }
     yield started
     for srv in started.values():
         stop(srv)
@@ -61,8 +63,12 @@ class Streams:
 
     async def open(self) -> None:
         self.ws = await connect(self.srv.ws_url, open_timeout=20)
-        await self.ws.send(json.dumps({"type": "generate", "request_id": "long", "prompt": "hi", "params": LONG}))
-        request = self.http.build_request("POST", "/v1/completions", json={"prompt": "hi", "stream": True, **LONG})
+        await self.ws.send(
+            json.dumps({"type": "generate", "request_id": "long", "prompt": "hi", "params": LONG})
+        )
+        request = self.http.build_request(
+            "POST", "/v1/completions", json={"prompt": "hi", "stream": True, **LONG}
+        )
         self.sse = await self.http.send(request, stream=True)
         assert self.sse.status_code == 200
         self.lines = self.sse.aiter_lines()
@@ -102,10 +108,13 @@ async def fault_fails_streams(srv: ServerProcess, pid: int, sig: int, within_s: 
         t0 = time.monotonic()
         os.kill(pid, sig)
         (ws_frame, ws_t), (sse_event, sse_t) = await asyncio.wait_for(
-            asyncio.gather(streams.ws_end(), streams.sse_end()), within_s + 10)
+            asyncio.gather(streams.ws_end(), streams.sse_end()), within_s + 10
+        )
     finally:
         await streams.close()
-    assert ws_frame["type"] == "error" and ws_frame["code"] == 503 and ws_frame["request_id"] == "long", ws_frame
+    assert ws_frame["type"] == "error" and ws_frame["code"] == 503 and ws_frame["request_id"] == "long", (
+        ws_frame
+    )
     assert sse_event.get("error", {}).get("code") == 503, sse_event
     assert ws_t - t0 < within_s and sse_t - t0 < within_s, (ws_t - t0, sse_t - t0)
 
@@ -124,7 +133,9 @@ def wait_health(srv: ServerProcess, want: int, timeout_s: float) -> None:
         if status == want:
             return
         time.sleep(0.1)
-    raise AssertionError(f"/health stayed {status}, not {want}, for {timeout_s}s:\n{srv.log.read_text()[-3000:]}")
+    raise AssertionError(
+        f"/health stayed {status}, not {want}, for {timeout_s}s:\n{srv.log.read_text()[-3000:]}"
+    )
 
 
 async def test_restart_workers_after_sigkill_and_sigstop(servers: dict[str, ServerProcess]) -> None:
@@ -185,7 +196,7 @@ async def test_without_restart_two_workers_sigkill_exits_1(servers: dict[str, Se
         # which worker is blamed is a race: the killed one's exit, or its peer's broken gloo link
         assert last.startswith("asyncengine: error: engine died: worker "), last
         # 200 until the kill, then 503 (dead) until the server is gone
-        assert 503 in health and 200 not in health[health.index(503):], health
+        assert 503 in health and 200 not in health[health.index(503) :], health
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(alive(p) for p in workers):
             await asyncio.sleep(0.1)

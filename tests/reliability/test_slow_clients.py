@@ -34,8 +34,15 @@ from asyncengine.entrypoints.server import build_app
 pytestmark = pytest.mark.timeout(60)
 
 SLACK_S = 1.5  # on top of a deadline, for a busy 2-core runner
-PARSERS = ["h11", pytest.param("httptools", marks=pytest.mark.skipif(
-    importlib.util.find_spec("httptools") is None, reason="httptools is not installed"))]
+PARSERS = [
+    "h11",
+    pytest.param(
+        "httptools",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("httptools") is None, reason="httptools is not installed"
+        ),
+    ),
+]
 
 
 class AppServer:
@@ -45,11 +52,17 @@ class AppServer:
         self.sock = bind("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         # log_config=None: uvicorn's loggers propagate to the root logger, where caplog sees them
-        config = uvicorn.Config(build_app(None), lifespan="off", log_config=None, log_level="info",
-                                **uvicorn_options(limits, http))  # type: ignore[arg-type]
+        config = uvicorn.Config(
+            build_app(None),
+            lifespan="off",
+            log_config=None,
+            log_level="info",
+            **uvicorn_options(limits, http),  # type: ignore[arg-type]
+        )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=run_loop, args=(self.server.serve(sockets=[self.sock]),),
-                                       name="uvicorn", daemon=True)
+        self.thread = threading.Thread(
+            target=run_loop, args=(self.server.serve(sockets=[self.sock]),), name="uvicorn", daemon=True
+        )
 
     @property
     def base(self) -> str:
@@ -87,6 +100,7 @@ def serve_app(request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) 
 
 # raw-socket helpers: every operation has a timeout
 
+
 def connect(port: int) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=5)
 
@@ -95,8 +109,9 @@ def head(port: int, method: str = "GET", path: str = "/metrics", extra: str = ""
     return f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}".encode()
 
 
-def until_closed(socks: list[socket.socket], limit_s: float, trickle: bytes = b"",
-                 every_s: float = 0.2) -> tuple[list[float | None], list[bytes]]:
+def until_closed(
+    socks: list[socket.socket], limit_s: float, trickle: bytes = b"", every_s: float = 0.2
+) -> tuple[list[float | None], list[bytes]]:
     """Reads every socket (sending `trickle` on each every `every_s`) until the server closes them all or
     `limit_s` passes; returns when each closed (seconds from now, None if still open) and what it got."""
     start = time.monotonic()
@@ -157,6 +172,7 @@ def wait_connections(srv: AppServer, count: int) -> None:
 
 # in-process: each parser
 
+
 def test_slow_headers_are_cut_and_others_served(serve_app) -> None:
     srv = serve_app(header_timeout_s=1.0)
     slow = [connect(srv.port) for _ in range(20)]
@@ -184,8 +200,14 @@ def test_header_timeout_answers_408_or_closes_a_silent_connection(serve_app) -> 
 def test_slow_body_is_cut_with_408(serve_app, caplog: pytest.LogCaptureFixture) -> None:
     srv = serve_app(header_timeout_s=5.0, body_timeout_s=1.0)
     s = connect(srv.port)
-    s.sendall(head(srv.port, "POST", "/v1/completions", "Content-Type: application/json\r\n"
-                                                        "Content-Length: 100000\r\n\r\n{"))
+    s.sendall(
+        head(
+            srv.port,
+            "POST",
+            "/v1/completions",
+            "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{",
+        )
+    )
     closed, got = until_closed([s], 1.0 + 3 * SLACK_S, trickle=b" ")
     assert closed[0] is not None and closed[0] < 1.0 + SLACK_S, closed
     assert got[0].startswith(b"HTTP/1.1 408 "), got[0]
@@ -196,8 +218,14 @@ def test_body_in_time_and_pipelined_requests_are_served(serve_app) -> None:
     srv = serve_app(header_timeout_s=1.0, body_timeout_s=1.0)
     body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
     s = connect(srv.port)
-    s.sendall(head(srv.port, "POST", "/v1/completions", f"Content-Type: application/json\r\n"
-                                                        f"Content-Length: {len(body)}\r\n\r\n").rstrip(b"\n"))
+    s.sendall(
+        head(
+            srv.port,
+            "POST",
+            "/v1/completions",
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n",
+        ).rstrip(b"\n")
+    )
     time.sleep(0.3)  # the headers' last line and the body in parts, within both deadlines
     s.sendall(b"\n" + body[:5])
     time.sleep(0.3)
@@ -209,7 +237,8 @@ def test_body_in_time_and_pipelined_requests_are_served(serve_app) -> None:
 
 
 def test_idle_keep_alive_is_closed_after_its_own_timeout(serve_app) -> None:
-    """A connection idle between requests is uvicorn's keep-alive's, even when longer than the header timeout."""
+    """A connection idle between requests is uvicorn's keep-alive's, even when longer than the header
+    timeout."""
     srv = serve_app(header_timeout_s=0.5, keep_alive_s=2.0)
     s = connect(srv.port)
     s.sendall(head(srv.port, extra="\r\n"))
@@ -255,19 +284,34 @@ VALID_CHUNKED = b"%x\r\n%s\r\n0\r\n\r\n" % (len(VALID_BODY), VALID_BODY)  # a va
 
 def test_content_length_with_transfer_encoding_is_400(serve_app, caplog: pytest.LogCaptureFixture) -> None:
     srv = serve_app()
-    closed, got = request(srv.port, head(srv.port, "POST", "/v1/completions",
-                                         "Content-Type: application/json\r\nContent-Length: 2\r\n"
-                                         "Transfer-Encoding: chunked\r\n\r\n") + VALID_CHUNKED)
+    closed, got = request(
+        srv.port,
+        head(
+            srv.port,
+            "POST",
+            "/v1/completions",
+            "Content-Type: application/json\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n",
+        )
+        + VALID_CHUNKED,
+    )
     assert got.startswith(b"HTTP/1.1 400 "), got  # not the app's 503 (a valid request, but no engine)
     assert closed is not None  # and the connection closed: whatever follows is not a request
-    assert not [r for r in caplog.records if r.name.startswith("asyncengine.entrypoints.server")]  # app not reached
+    assert not [
+        r for r in caplog.records if r.name.startswith("asyncengine.entrypoints.server")
+    ]  # app not reached
 
 
 def test_client_closing_mid_body_logs_one_info_line(serve_app, caplog: pytest.LogCaptureFixture) -> None:
     srv = serve_app()
     s = connect(srv.port)
-    s.sendall(head(srv.port, "POST", "/v1/completions", "Content-Type: application/json\r\n"
-                                                        "Content-Length: 1000\r\n\r\n{\"prompt\": "))
+    s.sendall(
+        head(
+            srv.port,
+            "POST",
+            "/v1/completions",
+            'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"prompt": ',
+        )
+    )
     time.sleep(0.2)
     s.close()
     assert_quiet_disconnect(caplog)
@@ -286,7 +330,11 @@ def assert_quiet_disconnect(caplog: pytest.LogCaptureFixture) -> None:
     time.sleep(0.2)  # and anything uvicorn would log after the app returned
     lines = disconnect_records(caplog)
     assert len(lines) == 1 and lines[0].levelno == logging.INFO, lines
-    loud = [(r.name, r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    loud = [
+        (r.name, r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.levelno >= logging.WARNING or r.exc_info
+    ]
     assert not loud, loud
 
 
@@ -295,15 +343,31 @@ def test_serve_flags_and_env_reach_uvicorn(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setattr(launcher, "run", lambda config, opts: seen.append(opts) or 0)
     monkeypatch.setenv("ASYNCENGINE_TIMEOUT_BODY", "7.5")
     (tmp_path / "config.json").write_text("{}")  # the CLI checks for a model directory before serving
-    args = cli.build_parser().parse_args(["serve", "--model", str(tmp_path), "--timeout-header", "2", "--max-connections",
-                                          "9", "--timeout-keep-alive", "3"])
+    args = cli.build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            str(tmp_path),
+            "--timeout-header",
+            "2",
+            "--max-connections",
+            "9",
+            "--timeout-keep-alive",
+            "3",
+        ]
+    )
     assert cli.cmd_serve(args) == 0
-    assert seen[0].connections == ConnectionLimits(header_timeout_s=2.0, body_timeout_s=7.5, keep_alive_s=3.0,
-                                                   max_connections=9)
+    assert seen[0].connections == ConnectionLimits(
+        header_timeout_s=2.0, body_timeout_s=7.5, keep_alive_s=3.0, max_connections=9
+    )
     options = uvicorn_options(seen[0].connections)
     assert options["limit_concurrency"] == 10 and options["timeout_keep_alive"] == 3.0
     defaults = cli.build_parser().parse_args(["serve", "--model", "m"])
-    assert (defaults.timeout_header, defaults.timeout_keep_alive, defaults.max_connections) == (10.0, 5.0, 1024)
+    assert (defaults.timeout_header, defaults.timeout_keep_alive, defaults.max_connections) == (
+        10.0,
+        5.0,
+        1024,
+    )
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--model", "m", "--max-connections", "0"])
 
@@ -316,9 +380,20 @@ HEADER_S, BODY_S, KEEP_ALIVE_S, MAX_CONNECTIONS = 1.0, 1.0, 2.0, 24
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     model = chat_model(tmp_path_factory)
-    srv = start_server(model, tmp_path_factory.mktemp("slow-clients"), "--num-threads", "1",
-                       "--timeout-header", str(HEADER_S), "--timeout-body", str(BODY_S),
-                       "--timeout-keep-alive", str(KEEP_ALIVE_S), "--max-connections", str(MAX_CONNECTIONS))
+    srv = start_server(
+        model,
+        tmp_path_factory.mktemp("slow-clients"),
+        "--num-threads",
+        "1",
+        "--timeout-header",
+        str(HEADER_S),
+        "--timeout-body",
+        str(BODY_S),
+        "--timeout-keep-alive",
+        str(KEEP_ALIVE_S),
+        "--max-connections",
+        str(MAX_CONNECTIONS),
+    )
     yield srv
     stop(srv)
 
@@ -336,8 +411,10 @@ def test_served_slowloris_is_cut_while_completions_work(served: ServerProcess) -
     assert all(t is not None and t < HEADER_S + SLACK_S for t in closed), closed
     # a body trickle: cut with 408
     s = connect(served.port)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              b"Content-Length: 1000\r\n\r\n{")
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n{"
+    )
     closed, got = until_closed([s], BODY_S + 3 * SLACK_S, trickle=b" ")
     assert closed[0] is not None and closed[0] < BODY_S + SLACK_S and got[0].startswith(b"HTTP/1.1 408 "), got
 
@@ -352,9 +429,12 @@ def test_served_limits_framing_and_keep_alive(served: ServerProcess) -> None:
     for s in idle:
         s.close()
     time.sleep(0.2)
-    closed, got = request(served.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                                       b"Content-Type: application/json\r\nContent-Length: 5\r\n"
-                                       b"Transfer-Encoding: chunked\r\n\r\n" + VALID_CHUNKED)
+    closed, got = request(
+        served.port,
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 5\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" + VALID_CHUNKED,
+    )
     assert got.startswith(b"HTTP/1.1 400 ") and closed is not None, got  # not a 200 completion
     s = connect(served.port)
     s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
@@ -369,8 +449,10 @@ def test_served_mid_body_close_logs_no_traceback(served: ServerProcess) -> None:
     log: Path = served.log
     line = "POST /v1/chat/completions: connection closed before the whole request body arrived"
     s = connect(served.port)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              b"Content-Length: 1000\r\n\r\n{\"messages\"")
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"messages"'
+    )
     time.sleep(0.2)
     s.close()
     deadline = time.monotonic() + 10

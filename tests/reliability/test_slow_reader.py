@@ -66,8 +66,13 @@ class EndlessEngine:
                 await asyncio.sleep(self.delay)
                 i += 1
                 reason = "length" if i == max_tokens else None
-                yield RequestOutput(request_id, None, [1, 2], [CompletionOutput(0, "x" * 40, [i], None, None, reason)],
-                                    reason is not None)
+                yield RequestOutput(
+                    request_id,
+                    None,
+                    [1, 2],
+                    [CompletionOutput(0, "x" * 40, [i], None, None, reason)],
+                    reason is not None,
+                )
                 if reason is not None:
                     return
         finally:
@@ -119,8 +124,9 @@ def generate_frames(n: int, **params: Any) -> list[dict]:
     return [{"type": "generate", "request_id": f"r{i}", "prompt": "hi", "params": params} for i in range(n)]
 
 
-async def run_connection(ws: FakeWebSocket, engine: EndlessEngine, limits: ServerLimits,
-                         timeout_s: float) -> tuple[ServerState, float]:
+async def run_connection(
+    ws: FakeWebSocket, engine: EndlessEngine, limits: ServerLimits, timeout_s: float
+) -> tuple[ServerState, float]:
     state = ServerState(engine, None, limits, "fake")  # type: ignore[arg-type]
     conn = Connection(ws, state)  # type: ignore[arg-type]
     ws.conn = conn
@@ -138,8 +144,9 @@ async def test_websocket_over_unsent_bytes_aborts_and_closes(caplog: pytest.LogC
     caplog.set_level(logging.INFO)
     engine = EndlessEngine()
     ws = FakeWebSocket(generate_frames(50), reads=10)
-    state, took = await run_connection(ws, engine, ServerLimits(max_unsent_bytes=100_000, send_stall_timeout=60),
-                                       timeout_s=10)
+    state, took = await run_connection(
+        ws, engine, ServerLimits(max_unsent_bytes=100_000, send_stall_timeout=60), timeout_s=10
+    )
     assert ws.closed == (1008, NOT_READING)
     assert len(engine.aborted) == 50 and not engine.live and state.live == 0
     [record] = not_reading_logs(caplog)
@@ -184,7 +191,10 @@ async def test_websocket_fast_reader_burst_stays_far_under_the_bound() -> None:
     done = [f for f in ws.sent if f["type"] == "done"]
     assert len(done) == 200 and {f["finish_reason"] for f in done} == {"length"}
     assert conn.stopped is None and ws.closed is None
-    print(f"fast reader, 200 requests: peak unsent {ws.peak_unsent} bytes (limit {ServerLimits().max_unsent_bytes})")
+    print(
+        f"fast reader, 200 requests: peak unsent {ws.peak_unsent} bytes "
+        f"(limit {ServerLimits().max_unsent_bytes})"
+    )
     assert ws.peak_unsent < ServerLimits().max_unsent_bytes // 32
 
 
@@ -216,16 +226,21 @@ async def endless_events(closed: list[bool], delay: float = 0.0) -> AsyncIterato
         closed.append(True)  # _events' cleanup here aborts its requests and releases its slots
 
 
-@pytest.mark.parametrize("limits, why", [
-    (ServerLimits(max_unsent_bytes=50_000, send_stall_timeout=60), "byte limit"),
-    (ServerLimits(send_stall_timeout=0.3), "waited 0.3 s"),
-])
-async def test_sse_client_not_reading_is_aborted_and_ended(limits: ServerLimits, why: str,
-                                                           caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "limits, why",
+    [
+        (ServerLimits(max_unsent_bytes=50_000, send_stall_timeout=60), "byte limit"),
+        (ServerLimits(send_stall_timeout=0.3), "waited 0.3 s"),
+    ],
+)
+async def test_sse_client_not_reading_is_aborted_and_ended(
+    limits: ServerLimits, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO)
     closed: list[bool] = []
-    response = SSEResponse(endless_events(closed, delay=0.0 if limits.send_stall_timeout > 1 else 0.01), limits,
-                           "cmpl-1")
+    response = SSEResponse(
+        endless_events(closed, delay=0.0 if limits.send_stall_timeout > 1 else 0.01), limits, "cmpl-1"
+    )
     send = FakeSend(reads=5)
     task = asyncio.create_task(response.stream_response(send))
     t0 = time.monotonic()
@@ -261,13 +276,17 @@ async def test_sse_reader_gets_everything() -> None:
             yield f"data: {i}\n\n"
 
     send = FakeSend(reads=10**9)
-    await asyncio.wait_for(SSEResponse(events(), ServerLimits(max_unsent_bytes=4000)).stream_response(send), 5)
+    await asyncio.wait_for(
+        SSEResponse(events(), ServerLimits(max_unsent_bytes=4000)).stream_response(send), 5
+    )
     assert send.body == b"".join(f"data: {i}\n\n".encode() for i in range(2000))
     assert send.messages[0]["type"] == "http.response.start" and send.messages[-1]["more_body"] is False
 
 
 # -- `asyncengine serve` and raw sockets that stop reading --------------------------------------------
-MAX_UNSENT = 256 * 1024  # small, so the tests are quick; a reader's burst of 200 requests still stays far under
+MAX_UNSENT = (
+    256 * 1024
+)  # small, so the tests are quick; a reader's burst of 200 requests still stays far under
 STALL_S = 5.0
 SLOW_REQUESTS = 300
 LONG = {"max_tokens": 1000, "ignore_eos": True}  # far more output than the socket's buffers hold
@@ -276,8 +295,16 @@ LONG = {"max_tokens": 1000, "ignore_eos": True}  # far more output than the sock
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     model: Path = chat_model(tmp_path_factory)
-    srv = start_server(model, tmp_path_factory.mktemp("slow-reader"), "--num-threads", "1",
-                       "--max-unsent-bytes", str(MAX_UNSENT), "--send-stall-timeout", str(STALL_S))
+    srv = start_server(
+        model,
+        tmp_path_factory.mktemp("slow-reader"),
+        "--num-threads",
+        "1",
+        "--max-unsent-bytes",
+        str(MAX_UNSENT),
+        "--send-stall-timeout",
+        str(STALL_S),
+    )
     yield srv
     stop(srv)
 
@@ -303,24 +330,34 @@ def not_reading_lines(srv: ServerProcess) -> int:
     return srv.log.read_text().count(NOT_READING)
 
 
-def wait_dropped(srv: ServerProcess, lines_before: int, base_mb: float, timeout_s: float = 90) -> tuple[float, float]:
+def wait_dropped(
+    srv: ServerProcess, lines_before: int, base_mb: float, timeout_s: float = 90
+) -> tuple[float, float]:
     """Until the server logged dropping the client and no request is left; (seconds taken, peak RSS MB)."""
     t0, peak = time.monotonic(), base_mb
     while time.monotonic() - t0 < timeout_s:
         peak = max(peak, rss_mb(srv))
-        if (not_reading_lines(srv) > lines_before and metric(srv, "num_requests_running") == 0
-                and metric(srv, "num_requests_waiting") == 0):
+        if (
+            not_reading_lines(srv) > lines_before
+            and metric(srv, "num_requests_running") == 0
+            and metric(srv, "num_requests_waiting") == 0
+        ):
             return time.monotonic() - t0, peak
         time.sleep(0.25)
-    raise AssertionError(f"the client was not dropped in {timeout_s}s: running "
-                         f"{metric(srv, 'num_requests_running')}, waiting {metric(srv, 'num_requests_waiting')}, "
-                         f"RSS {base_mb:.0f} -> {peak:.0f} MB")
+    raise AssertionError(
+        f"the client was not dropped in {timeout_s}s: running "
+        f"{metric(srv, 'num_requests_running')}, waiting {metric(srv, 'num_requests_waiting')}, "
+        f"RSS {base_mb:.0f} -> {peak:.0f} MB"
+    )
 
 
 def other_client(srv: ServerProcess) -> tuple[httpx.Response, float]:
     t0 = time.monotonic()
-    r = httpx.post(f"{srv.base}/v1/completions", timeout=120,
-                   json={"prompt": "hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0})
+    r = httpx.post(
+        f"{srv.base}/v1/completions",
+        timeout=120,
+        json={"prompt": "hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0},
+    )
     return r, time.monotonic() - t0
 
 
@@ -345,8 +382,11 @@ def test_websocket_client_that_never_reads_is_closed(server: ServerProcess) -> N
             assert data, "the server closed during the handshake"
             proto.receive_data(data)
         for i in range(SLOW_REQUESTS):
-            proto.send_text(json.dumps({"type": "generate", "request_id": f"r{i}", "prompt": "hello " * 8,
-                                        "params": LONG}).encode())
+            proto.send_text(
+                json.dumps(
+                    {"type": "generate", "request_id": f"r{i}", "prompt": "hello " * 8, "params": LONG}
+                ).encode()
+            )
         sock.sendall(b"".join(proto.data_to_send()))  # ... and from here on, never a read
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             other = pool.submit(other_client, server)
@@ -364,8 +404,10 @@ def test_websocket_client_that_never_reads_is_closed(server: ServerProcess) -> N
         assert (proto.close_rcvd.code, proto.close_rcvd.reason) == (1008, NOT_READING)
     finally:
         sock.close()
-    print(f"websocket slow reader: dropped after {took:.1f}s; RSS {base:.0f} -> peak {peak:.0f} MB; "
-          f"other client's request {other_took:.1f}s")
+    print(
+        f"websocket slow reader: dropped after {took:.1f}s; RSS {base:.0f} -> peak {peak:.0f} MB; "
+        f"other client's request {other_took:.1f}s"
+    )
     assert peak - base < 64, f"RSS grew {peak - base:.0f} MB"
 
 
@@ -377,8 +419,10 @@ def test_sse_client_that_never_reads_is_dropped(server: ServerProcess) -> None:
     try:
         # 50 prompts all start at once (SSE headers wait for every prompt's first output)
         body = json.dumps({"prompt": ["hello " * 8] * 50, "stream": True, **LONG}).encode()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (server.host.encode(), server.port, len(body), body))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (server.host.encode(), server.port, len(body), body)
+        )
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             other = pool.submit(other_client, server)
             took, peak = wait_dropped(server, lines, base)
@@ -395,8 +439,10 @@ def test_sse_client_that_never_reads_is_dropped(server: ServerProcess) -> None:
         sock.close()
     assert received.startswith(b"HTTP/1.1 200")
     assert NOT_READING.encode() in received[-2000:] and received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
-    print(f"SSE slow reader: dropped after {took:.1f}s; RSS {base:.0f} -> peak {peak:.0f} MB; "
-          f"other client's request {other_took:.1f}s")
+    print(
+        f"SSE slow reader: dropped after {took:.1f}s; RSS {base:.0f} -> peak {peak:.0f} MB; "
+        f"other client's request {other_took:.1f}s"
+    )
     assert peak - base < 64, f"RSS grew {peak - base:.0f} MB"
 
 
@@ -409,8 +455,16 @@ def test_websocket_reader_with_a_burst_never_hits_the_bound(server: ServerProces
         done: dict[str, dict] = {}
         async with connect(server.ws_url, open_timeout=20) as ws:
             for i in range(200):
-                await ws.send(json.dumps({"type": "generate", "request_id": f"b{i}", "prompt": "hello",
-                                          "params": {"max_tokens": 32, "ignore_eos": True}}))
+                await ws.send(
+                    json.dumps(
+                        {
+                            "type": "generate",
+                            "request_id": f"b{i}",
+                            "prompt": "hello",
+                            "params": {"max_tokens": 32, "ignore_eos": True},
+                        }
+                    )
+                )
             while len(done) < 200:
                 frame = json.loads(await asyncio.wait_for(ws.recv(), 60))
                 assert frame["type"] in ("delta", "done"), frame

@@ -75,8 +75,11 @@ def two_worker_server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def real_engine_messages() -> list[bytes]:
     codec = engine_codec()
     step = ExecuteModelRequest(
-        step_id=3, new_seqs=[NewSeq(9, pack_ids(list(range(40))), 40, [1, 2, 3], 0, 40, SamplingOptions())],
-        cached_seqs=[CachedSeq(4, 1, [17], [8])], finished_seq_ids=[2])
+        step_id=3,
+        new_seqs=[NewSeq(9, pack_ids(list(range(40))), 40, [1, 2, 3], 0, 40, SamplingOptions())],
+        cached_seqs=[CachedSeq(4, 1, [17], [8])],
+        finished_seq_ids=[2],
+    )
     return [codec.encode(m) for m in (step, InitCache(64), ExecuteModelRequest(step_id=4))]
 
 
@@ -101,12 +104,14 @@ def garbage_frames(rng: random.Random, count: int) -> list[bytes]:
 
 
 @pytest.mark.slow
-async def test_worker_drops_garbage_frames_and_keeps_serving(model: Path, capfd: pytest.CaptureFixture,
-                                                             two_worker_server: ServerProcess) -> None:
+async def test_worker_drops_garbage_frames_and_keeps_serving(
+    model: Path, capfd: pytest.CaptureFixture, two_worker_server: ServerProcess
+) -> None:
     # (two_worker_server is for the last test: asked for here so that it starts loading now)
     # started inside the test, so the worker inherits capfd's stderr and its log can be read
-    engine = await AsyncEngine.start(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=64,
-                                                  num_threads=1))
+    engine = await AsyncEngine.start(
+        EngineConfig(model=str(model), dtype="float32", num_kv_blocks=64, num_threads=1)
+    )
     try:
         check_private_ipc_dir(engine)
         assert engine.executor.receiver._sock.getsockopt(zmq.MAXMSGSIZE) == channels.MAX_MESSAGE_BYTES > 0
@@ -140,8 +145,8 @@ async def test_worker_drops_garbage_frames_and_keeps_serving(model: Path, capfd:
 def check_private_ipc_dir(engine: AsyncEngine) -> None:
     endpoints = engine.executor.endpoints
     assert endpoints.broadcast.startswith("ipc://") and endpoints.results.startswith("ipc://")
-    directory = Path(endpoints.broadcast[len("ipc://"):]).parent
-    assert Path(endpoints.results[len("ipc://"):]).parent == directory
+    directory = Path(endpoints.broadcast[len("ipc://") :]).parent
+    assert Path(endpoints.results[len("ipc://") :]).parent == directory
     st_dir = directory.stat()
     assert stat.S_IMODE(st_dir.st_mode) == 0o700 and st_dir.st_uid == os.getuid(), oct(st_dir.st_mode)
     assert {p.name for p in directory.iterdir()} == {"broadcast", "results"}
@@ -179,8 +184,8 @@ async def test_receivers_drop_messages_over_maxmsgsize(monkeypatch: pytest.Monke
         sync_ctx.term()
         async_ctx.term()
         for name in ("broadcast", "results"):
-            Path(getattr(endpoints, name)[len("ipc://"):]).unlink(missing_ok=True)
-        Path(endpoints.broadcast[len("ipc://"):]).parent.rmdir()
+            Path(getattr(endpoints, name)[len("ipc://") :]).unlink(missing_ok=True)
+        Path(endpoints.broadcast[len("ipc://") :]).parent.rmdir()
 
 
 # -- the other decoders on the process boundaries ----------------------------------------------------
@@ -195,8 +200,12 @@ def mutations(real: bytes, rng: random.Random, count: int) -> Iterator[bytes]:
 def test_mutated_worker_messages_fail_typed() -> None:
     """The engine's decoder of worker messages (tests/transport mutates only the engine's messages)."""
     codec, rng = worker_codec(), random.Random(11)
-    real = [ModelOutput(5, pack_ids([1, 2, 3]), [TokenLogprobs([1, 4], [-0.5, -1.5], [1, 2]), None], 120),
-            WorkerReady(1, 512, 4242, 32000), CacheReady(0), WorkerFailure(1, "RuntimeError: boom", "RuntimeError")]
+    real = [
+        ModelOutput(5, pack_ids([1, 2, 3]), [TokenLogprobs([1, 4], [-0.5, -1.5], [1, 2]), None], 120),
+        WorkerReady(1, 512, 4242, 32000),
+        CacheReady(0),
+        WorkerFailure(1, "RuntimeError: boom", "RuntimeError"),
+    ]
     for message in real:
         for data in mutations(codec.encode(message), rng, 400):
             try:
@@ -217,9 +226,11 @@ def test_init_worker_config_json_fails_typed(tmp_path: Path) -> None:
             pass
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-                    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
-                    max_leaves=12)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    max_leaves=12,
+)
 FIELDS = st.sampled_from(sorted(SamplingParams.__struct_fields__) + ["bogus"])
 
 
@@ -267,7 +278,7 @@ def listening_tcp() -> dict[int, tuple[str, int]]:
                 continue
             addr, port = fields[1].split(":")
             raw = bytes.fromhex(addr)  # 32-bit words in host (little-endian) order
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
             found[int(fields[9])] = (socket.inet_ntop(family, raw), int(port, 16))
     return found
 

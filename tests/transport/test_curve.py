@@ -62,7 +62,10 @@ def test_key_file_is_private_and_round_trips(tmp_path) -> None:
     assert "server_secret" not in path.read_text() and keys.server_secret.decode() not in path.read_text()
     loaded = load_client_keys(path)
     assert (loaded.server_public, loaded.client_public, loaded.client_secret) == (
-        keys.server_public, keys.client_public, keys.client_secret)
+        keys.server_public,
+        keys.client_public,
+        keys.client_secret,
+    )
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(KeyFileError):
         load_client_keys(tmp_path / "bad.json")
@@ -92,7 +95,10 @@ def raw_push(ctx: zmq.Context, endpoint: str, curve: CurveKeys | None) -> zmq.So
     sock.setsockopt(zmq.LINGER, 0)
     if curve is not None:
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
-            curve.server_public, curve.client_public, curve.client_secret)
+            curve.server_public,
+            curve.client_public,
+            curve.client_secret,
+        )
     sock.connect(endpoint)
     return sock
 
@@ -110,12 +116,16 @@ async def test_only_the_key_file_client_gets_in(head) -> None:
         "no CURVE": None,
         "unknown client key": CurveKeys(keys.server_public, None, stranger_public, stranger_secret),
         "wrong server key": CurveKeys(fake_server, None, stranger_public, stranger_secret),
-        "stolen public key, wrong secret": CurveKeys(keys.server_public, None, keys.client_public, stranger_secret),
+        "stolen public key, wrong secret": CurveKeys(
+            keys.server_public, None, keys.client_public, stranger_secret
+        ),
     }
     good_keys = CurveKeys(keys.server_public, None, keys.client_public, keys.client_secret)
     ctx = zmq.Context()
     try:
-        bad_rx = {name: BroadcastReceiver(ctx, client_endpoints(endpoints, c)) for name, c in intruders.items()}
+        bad_rx = {
+            name: BroadcastReceiver(ctx, client_endpoints(endpoints, c)) for name, c in intruders.items()
+        }
         bad_tx = {name: raw_push(ctx, endpoints.results, c) for name, c in intruders.items()}
         await asyncio.sleep(0.5)  # give the intruders every chance to connect first
         good_rx = BroadcastReceiver(ctx, client_endpoints(endpoints, good_keys))
@@ -160,8 +170,12 @@ async def test_worker_disconnect_is_reported(head) -> None:
     endpoints, sender, _ = head
     keys = endpoints.curve
     ctx = zmq.Context()
-    rx = BroadcastReceiver(ctx, client_endpoints(endpoints, CurveKeys(keys.server_public, None, keys.client_public,
-                                                                       keys.client_secret)))
+    rx = BroadcastReceiver(
+        ctx,
+        client_endpoints(
+            endpoints, CurveKeys(keys.server_public, None, keys.client_public, keys.client_secret)
+        ),
+    )
     await asyncio.to_thread(sender.wait_for_subscribers, 1, 10.0)
     assert sender.poll_unsubscribed() == 0
     rx.close()

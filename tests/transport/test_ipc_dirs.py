@@ -62,11 +62,13 @@ def test_removes_only_dead_engines_dirs(tmp_path: Path) -> None:
     assert remove_stale_ipc_dirs(str(tmp_path)) == [listened]
 
 
-def test_local_endpoints_name_their_owner_and_clean_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_endpoints_name_their_owner_and_clean_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     stale = make_dir(tmp_path, f"asyncengine-{dead_pid()}-abcdefgh")
     endpoints = Endpoints.local()
-    directory = Path(endpoints.broadcast[len("ipc://"):]).parent
+    directory = Path(endpoints.broadcast[len("ipc://") :]).parent
     assert directory.parent == tmp_path and directory.name.startswith(f"asyncengine-{os.getpid()}-")
     assert not stale.exists()
     assert remove_stale_ipc_dirs(str(tmp_path)) == []  # ours: alive
@@ -83,11 +85,17 @@ ENGINE = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_sigkilled_engines_dir_is_removed_by_the_next(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sigkilled_engines_dir_is_removed_by_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two engines' channels in subprocesses: the SIGKILLed one's directory goes, the live one's stays."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, text=True, env=env,
-                              cwd=tmp_path) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path
+        )
+        for _ in range(2)
+    ]
     try:
         dirs = [Path(p.stdout.readline().strip()).parent for p in procs]
         assert all(d.is_dir() and d.parent == tmp_path for d in dirs), dirs

@@ -28,7 +28,9 @@ from asyncengine.transport.wire import (
 def sample_step() -> ExecuteModelRequest:
     return ExecuteModelRequest(
         step_id=7,
-        new_seqs=[NewSeq(1, pack_ids(list(range(300))), 300, [4, 5], 0, 300, SamplingOptions(temperature=0.0))],
+        new_seqs=[
+            NewSeq(1, pack_ids(list(range(300))), 300, [4, 5], 0, 300, SamplingOptions(temperature=0.0))
+        ],
         cached_seqs=[CachedSeq(2, 1, [42], [9])],
         finished_seq_ids=[3],
     )

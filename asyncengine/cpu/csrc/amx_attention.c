@@ -72,8 +72,11 @@ typedef struct {
     const uint16_t *q, *k, *v;
     uint16_t *out;
     long q_stride, k_stride, v_stride, out_stride;
-    const int *seqs; /* [num_seqs][4]: first query row, query rows, first key row (or block-table row), key rows */
-    const int *tables; /* NULL, or block tables [.][table_stride]: key j at row table[j / block_size] * block_size + j % block_size */
+    /* [num_seqs][4]: first query row, query rows, first key row (or block-table row), key rows */
+    const int *seqs;
+    /* NULL, or block tables [.][table_stride]: key j at row table[j / block_size] * block_size +
+     * j % block_size */
+    const int *tables;
     int table_stride, block_size;
     int H, Hkv, D, window, ld; /* ld: the scratch rows' length in keys */
     float scale;
@@ -91,29 +94,37 @@ static void pack_kv(const Call *c, int s, int g, uint16_t *kt, uint16_t *vt) {
     const int len = c->seqs[4 * s + 3], D = c->D;
     const uint16_t *k = c->k + g * D, *v = c->v + g * D;
     const int DB32 = D / 32, DB16 = D / 16;
-    /* K tile (16 keys x 32 dims): 32-bit word [p][n] = dims 2p, 2p + 1 of key n, the 16 keys' rows transposed */
+    /* K tile (16 keys x 32 dims): 32-bit word [p][n] = dims 2p, 2p + 1 of key n, the 16 keys' rows
+     * transposed */
     for (int kb = 0; kb < ceil_to(len, 16) / 16; kb++)
         for (int db = 0; db < DB32; db++) {
             __m512i r[16];
             for (int n = 0; n < 16; n++)
-                r[n] = kb * 16 + n < len ? _mm512_loadu_si512(k + key_row(c, s, kb * 16 + n) * c->k_stride + db * 32)
-                                         : _mm512_setzero_si512();
+                r[n] = kb * 16 + n < len
+                           ? _mm512_loadu_si512(k + key_row(c, s, kb * 16 + n) * c->k_stride + db * 32)
+                           : _mm512_setzero_si512();
             transpose16(r);
             uint16_t *t = kt + ((size_t)kb * DB32 + db) * TILE;
             for (int p = 0; p < 16; p++) _mm512_storeu_si512(t + p * 32, r[p]);
         }
     /* V tile (32 keys x 16 dims): row p = keys 2p and 2p + 1 interleaved dim by dim */
+    /* clang-format off */
     const __m512i inter = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    /* clang-format on */
     for (int kb = 0; kb < ceil_to(len, 32) / 32; kb++)
         for (int db = 0; db < DB16; db++) {
             uint16_t *t = vt + ((size_t)kb * DB16 + db) * TILE;
             for (int p = 0; p < 16; p++) {
                 const int k0 = kb * 32 + 2 * p;
-                const __m512i a = k0 < len ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + key_row(c, s, k0) * c->v_stride + db * 16)))
-                                           : _mm512_setzero_si512();
-                const __m512i b = k0 + 1 < len ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + key_row(c, s, k0 + 1) * c->v_stride + db * 16)))
-                                               : _mm512_setzero_si512();
+                const __m512i a = k0 < len
+                                      ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                            (const __m256i *)(v + key_row(c, s, k0) * c->v_stride + db * 16)))
+                                      : _mm512_setzero_si512();
+                const __m512i b =
+                    k0 + 1 < len ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                       (const __m256i *)(v + key_row(c, s, k0 + 1) * c->v_stride + db * 16)))
+                                 : _mm512_setzero_si512();
                 _mm512_storeu_si512(t + p * 32, _mm512_permutex2var_epi16(a, inter, b));
             }
         }
@@ -124,9 +135,11 @@ static void pack_kv(const Call *c, int s, int g, uint16_t *kt, uint16_t *vt) {
 static inline void products(const uint16_t *b, size_t step, int n) {
     _tile_loadd(6, b, 64);
     _tile_dpbf16ps(0, 4, 6);
+    /* clang-format off */
     if (n > 1) { _tile_loadd(7, b + step, 64); _tile_dpbf16ps(1, 4, 7); }
     if (n > 2) { _tile_loadd(6, b + 2 * step, 64); _tile_dpbf16ps(2, 4, 6); }
     if (n > 3) { _tile_loadd(7, b + 3 * step, 64); _tile_dpbf16ps(3, 4, 7); }
+    /* clang-format on */
 }
 
 /* Accumulators j < n to dst + j * step floats, rows `stride` bytes apart. */
@@ -138,10 +151,14 @@ static inline void store_accs(float *dst, size_t step, long stride, int n) {
 }
 
 /* Per-thread scratch of a call: scores, probabilities, output tiles, a zero-padded query tile. */
-typedef struct { float *S, *O; uint16_t *P, *Q; } Scratch;
+typedef struct {
+    float *S, *O;
+    uint16_t *P, *Q;
+} Scratch;
 
 /* Query rows 16 t .. 16 t + 15 of sequence s, head h, over K / V tiles kt / vt of its KV head. */
-static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, const uint16_t *kt, const uint16_t *vt) {
+static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, const uint16_t *kt,
+                       const uint16_t *vt) {
     const int D = c->D, DB32 = D / 32, DB16 = D / 16, ld = c->ld, window = c->window;
     const float scale = c->scale;
     float *S = w->S, *O = w->O;
@@ -166,7 +183,10 @@ static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, con
     /* S[:, ka .. kend16) = Q K^T, four key blocks at a time */
     for (int kb = ka / 16; kb < kend16 / 16; kb += 4) {
         const int nb = kend16 / 16 - kb < 4 ? kend16 / 16 - kb : 4;
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
         for (int db = 0; db < DB32; db++) {
             _tile_loadd(4, qa + db * 32, qs * 2);
             products(kt + ((size_t)kb * DB32 + db) * TILE, (size_t)DB32 * TILE, nb);
@@ -177,20 +197,30 @@ static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, con
     float inv_sum[16];
     for (int r = 0; r < 16; r++) {
         uint16_t *pr = P + (long)r * ld;
-        if (r >= nr) { memset(pr, 0, sizeof(uint16_t) * (kend32 - ka)); continue; }
+        if (r >= nr) {
+            memset(pr, 0, sizeof(uint16_t) * (kend32 - ka));
+            continue;
+        }
         const int pos = pos0 + r, lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
         const float *sr = S + (long)r * ld;
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int j = ka; j < kend32; j += 16) {
             const __mmask16 mk = valid_keys(j, lo, pos);
-            mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mk, _mm512_maskz_loadu_ps(mk, sr + j - ka), _mm512_set1_ps(scale)));
+            mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mk,
+                                                      _mm512_maskz_loadu_ps(mk, sr + j - ka),
+                                                      _mm512_set1_ps(scale)));
         }
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 sum = _mm512_setzero_ps();
         for (int j = ka; j < kend32; j += 16) {
             const __mmask16 mk = valid_keys(j, lo, pos);
-            if (!mk) { _mm256_storeu_si256((__m256i *)(pr + j - ka), _mm256_setzero_si256()); continue; }
-            const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + j - ka), _mm512_set1_ps(scale)), m)));
+            if (!mk) {
+                _mm256_storeu_si256((__m256i *)(pr + j - ka), _mm256_setzero_si256());
+                continue;
+            }
+            const __m512 e = _mm512_maskz_mov_ps(
+                mk, exp512(_mm512_sub_ps(
+                        _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + j - ka), _mm512_set1_ps(scale)), m)));
             sum = _mm512_add_ps(sum, e);
             _mm256_storeu_si256((__m256i *)(pr + j - ka), (__m256i)_mm512_cvtneps_pbh(e));
         }
@@ -199,7 +229,10 @@ static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, con
     /* O = P V, four 16-dim blocks at a time; out = bf16(O / sum) */
     for (int d0 = 0; d0 < DB16; d0 += 4) {
         const int nd = DB16 - d0 < 4 ? DB16 - d0 : 4;
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
         for (int kb = ka / 32; kb < kend32 / 32; kb++) {
             _tile_loadd(4, P + (kb * 32 - ka), ld * 2);
             products(vt + ((size_t)kb * DB16 + d0) * TILE, TILE, nd);
@@ -209,8 +242,9 @@ static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, con
             uint16_t *o = out + (long)(q_row + r0 + r) * out_stride + h * D + d0 * 16;
             const __m512 inv = _mm512_set1_ps(inv_sum[r]);
             for (int j = 0; j < nd; j++)
-                _mm256_storeu_si256((__m256i *)(o + 16 * j),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(O + 256 * j + 16 * r), inv)));
+                _mm256_storeu_si256(
+                    (__m256i *)(o + 16 * j),
+                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(O + 256 * j + 16 * r), inv)));
         }
     }
 }
@@ -228,7 +262,10 @@ static inline UnitTiles unit_tiles(uint16_t *kv, const size_t *base, const int *
     return (UnitTiles){k, k + (size_t)ceil_to(len, 16) * D};
 }
 
-typedef struct { long cost; int index; } Ranked;
+typedef struct {
+    long cost;
+    int index;
+} Ranked;
 static int by_cost_desc(const void *a, const void *b) {
     const long x = ((const Ranked *)a)->cost, y = ((const Ranked *)b)->cost;
     return x < y ? 1 : x > y ? -1 : ((const Ranked *)a)->index - ((const Ranked *)b)->index;
@@ -245,8 +282,9 @@ static int by_cost_desc(const void *a, const void *b) {
  * runs all of its query tiles while those tiles are in L2 (largest units first). With fewer (one long
  * prompt, few KV heads), every unit is packed first and the (head, query tile) items are shared out. */
 int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long k_stride, const uint16_t *v,
-                       long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs, const int *tables,
-                       int table_stride, int block_size, int H, int Hkv, int D, float scale, int window, int num_threads) {
+                       long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs,
+                       const int *tables, int table_stride, int block_size, int H, int Hkv, int D,
+                       float scale, int window, int num_threads) {
     if (tables && block_size <= 0) return -1;
     if (D % 32 || D <= 0 || D > MAX_HEAD_DIM || Hkv <= 0 || H % Hkv || num_seqs < 0) return -1;
     int max_kv = 0;
@@ -259,8 +297,10 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
         items += (size_t)H * ((q_len + 15) / 16);
     }
     if (!items) return 0;
-    const Call c = {q, k, v, out, q_stride, k_stride, v_stride, out_stride, seqs, tables, table_stride, block_size, H, Hkv, D, window,
-                    ceil_to(max_kv, 32) + 32, scale};
+    /* clang-format off */
+    const Call c = {q, k, v, out, q_stride, k_stride, v_stride, out_stride, seqs, tables, table_stride,
+                    block_size, H, Hkv, D, window, ceil_to(max_kv, 32) + 32, scale};
+    /* clang-format on */
     const int group = H / Hkv, units = num_seqs * Hkv;
     const int fused = units >= 4 * num_threads;
     /* kept between calls (one per calling thread): a fresh multi-MiB buffer per layer would be page-faulted
@@ -280,8 +320,7 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
     int failed = !base || !work || !kv;
     if (!failed) {
         base[0] = 0;
-        for (int s = 0; s < num_seqs; s++)
-            base[s + 1] = base[s] + Hkv * unit_size(seqs[4 * s + 3], D);
+        for (int s = 0; s < num_seqs; s++) base[s + 1] = base[s] + Hkv * unit_size(seqs[4 * s + 3], D);
         /* the costliest first, for the dynamic schedule: a unit's cost grows with q_len * kv_len, a query
          * tile's with its last key */
         long n = 0, tiles_before = 0;
@@ -292,7 +331,8 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
             } else {
                 for (int t = 0; t < tiles; t++)
                     for (int h = 0; h < H; h++)
-                        work[n++] = (Ranked){kv_len - q_len + 16L * t + 16, (int)((tiles_before + t) * H + h)};
+                        work[n++] =
+                            (Ranked){kv_len - q_len + 16L * t + 16, (int)((tiles_before + t) * H + h)};
             }
             tiles_before += tiles;
         }
@@ -317,7 +357,8 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
             if (fused) {
 #pragma omp for schedule(dynamic, 1)
                 for (long i = 0; i < n_work; i++) {
-                    const int s = work[i].index / Hkv, g = work[i].index % Hkv, tiles = (seqs[4 * s + 1] + 15) / 16;
+                    const int s = work[i].index / Hkv, g = work[i].index % Hkv,
+                              tiles = (seqs[4 * s + 1] + 15) / 16;
                     const UnitTiles u = unit_tiles(kv, base, seqs, s, g, D);
                     pack_kv(&c, s, g, u.k, u.v);
                     for (int h = g * group; h < (g + 1) * group; h++)
@@ -355,11 +396,14 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
 #else /* no AMX in this build: callers keep torch's SDPA */
 int amx_attention_available(void) { return 0; }
 int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long k_stride, const uint16_t *v,
-                       long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs, const int *tables,
-                       int table_stride, int block_size, int H, int Hkv, int D, float scale, int window, int num_threads) {
+                       long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs,
+                       const int *tables, int table_stride, int block_size, int H, int Hkv, int D,
+                       float scale, int window, int num_threads) {
+    /* clang-format off */
     (void)tables; (void)table_stride; (void)block_size;
     (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)out; (void)out_stride;
     (void)seqs; (void)num_seqs; (void)H; (void)Hkv; (void)D; (void)scale; (void)window; (void)num_threads;
+    /* clang-format on */
     return -3;
 }
 #endif

@@ -15,9 +15,15 @@
 #define TILE 512 /* bfloat16 per 1 KiB tile */
 
 /* Linux hands out AMX's tile state only to processes that ask for it (once per process). */
-static inline int request_tiles(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+static inline int request_tiles(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
 
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
 
 /* Tiles 0-3: float32 accumulators; 4, 5: A operands of `rows` rows; 6, 7: B operands (16 rows). Every
  * row 64 bytes. */

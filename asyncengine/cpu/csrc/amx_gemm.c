@@ -83,24 +83,31 @@ void amx_pack_bf16_gated(const uint16_t *w, uint16_t *packed, int N, int K) {
 
 /* configure_tiles (amx_common.h): tiles 4, 5 hold rows of x, 6, 7 weight tiles. */
 
-/* The four accumulator tiles (0-3): zeroed, or loaded from / stored to 4 x 256 floats at p (tile t at p + 256 t). */
+/* The four accumulator tiles (0-3): zeroed, or loaded from / stored to 4 x 256 floats at p (tile t at
+ * p + 256 t). */
+/* clang-format off */
 static inline void zero_accs(void) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
 static inline void load_accs(const float *p) {
-    _tile_loadd(0, p, 64); _tile_loadd(1, p + 256, 64); _tile_loadd(2, p + 512, 64); _tile_loadd(3, p + 768, 64);
+    _tile_loadd(0, p, 64); _tile_loadd(1, p + 256, 64); _tile_loadd(2, p + 512, 64);
+    _tile_loadd(3, p + 768, 64);
 }
 static inline void store_accs(float *p) {
-    _tile_stored(0, p, 64); _tile_stored(1, p + 256, 64); _tile_stored(2, p + 512, 64); _tile_stored(3, p + 768, 64);
+    _tile_stored(0, p, 64); _tile_stored(1, p + 256, 64); _tile_stored(2, p + 512, 64);
+    _tile_stored(3, p + 768, 64);
 }
+/* clang-format on */
 
 /* `rows` rows of one accumulator tile (float32 [16][16]) + bias -> bfloat16, `cols` <= 16 columns. */
 static inline void store_rows(const float *acc, int rows, int cols, uint16_t *out, long out_stride,
                               const uint16_t *bias) {
     const __mmask16 mk = (__mmask16)((1u << cols) - 1);
-    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, bias)), 16))
+    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, bias)), 16))
                           : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++)
-        _mm256_mask_storeu_epi16(out + r * out_stride, mk,
-                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b)));
+        _mm256_mask_storeu_epi16(
+            out + r * out_stride, mk,
+            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b)));
 }
 
 /* `rows` rows of two adjacent accumulator tiles + bias -> bfloat16, `cols` <= 32 columns: one 64-byte store
@@ -112,12 +119,14 @@ static inline void store_rows2(const float *acc0, const float *acc1, int rows, i
     if (bias) {
         const __m512i bb = _mm512_maskz_loadu_epi16(mk, bias);
         b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bb)), 16));
-        b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bb, 1)), 16));
+        b1 = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bb, 1)), 16));
     }
     for (int r = 0; r < rows; r++) {
         const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc0 + r * 16), b0));
         const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc1 + r * 16), b1));
-        _mm512_mask_storeu_epi16(out + r * out_stride, mk, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+        _mm512_mask_storeu_epi16(out + r * out_stride, mk,
+                                 _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
     }
 }
 
@@ -126,27 +135,35 @@ static inline void store_rows2(const float *acc0, const float *acc1, int rows, i
 static inline __m512 round_bf16x16(__m512 v) { /* to bfloat16 and back (nearest even; NaN stays NaN) */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
-static inline void store_gated(const float *acc_g, const float *acc_u, int rows, uint16_t *out, long out_stride,
-                               const uint16_t *bias_g, const uint16_t *bias_u) {
+static inline void store_gated(const float *acc_g, const float *acc_u, int rows, uint16_t *out,
+                               long out_stride, const uint16_t *bias_g, const uint16_t *bias_u) {
     const __m512 bg = bias_g ? load16_bf16(bias_g, 0xFFFF) : _mm512_setzero_ps();
     const __m512 bu = bias_u ? load16_bf16(bias_u, 0xFFFF) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
         const __m512 g = round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(acc_g + r * 16), bg));
         const __m512 u = round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(acc_u + r * 16), bu));
-        const __m512 a = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        _mm256_storeu_si256((__m256i *)(out + r * out_stride), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16x16(a), u)));
+        const __m512 a = _mm512_div_ps(
+            g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm256_storeu_si256((__m256i *)(out + r * out_stride),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16x16(a), u)));
     }
 }
 
 static inline void prefetch_tile(const uint16_t *p, int hint_l2) {
     for (int b = 0; b < 1024; b += 64)
-        if (hint_l2) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
-        else _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+        if (hint_l2)
+            _mm_prefetch((const char *)p + b, _MM_HINT_T1);
+        else
+            _mm_prefetch((const char *)p + b, _MM_HINT_T0);
 }
 
 /* One chunk of up to 32 rows of x: two row tiles (the second only when `two`), each with its row stride;
  * the tile holding M's last rows, when M > 16 is not a multiple of 16, is the zero-padded copy `tail`. */
-typedef struct { const uint16_t *x0, *x1; long stride0, stride1; int two; } RowChunk;
+typedef struct {
+    const uint16_t *x0, *x1;
+    long stride0, stride1;
+    int two;
+} RowChunk;
 static inline RowChunk row_chunk(const uint16_t *x, long x_stride, const uint16_t *tail, int tail_row, int K,
                                  int m0, int r1) {
     return (RowChunk){m0 == tail_row ? tail : x + (long)m0 * x_stride,
@@ -156,14 +173,18 @@ static inline RowChunk row_chunk(const uint16_t *x, long x_stride, const uint16_
 
 /* The next group's weights prefetched into L2, `tiles` of them spread evenly over `steps` calls of
  * prefetch_step (Bresenham); `next` NULL: none. */
-typedef struct { const uint16_t *next; long tiles, steps, acc, done; } Prefetch;
+typedef struct {
+    const uint16_t *next;
+    long tiles, steps, acc, done;
+} Prefetch;
 static inline void prefetch_step(Prefetch *pf) {
     if (!pf || !pf->next) return;
-    for (pf->acc += pf->tiles; pf->acc >= pf->steps; pf->acc -= pf->steps) prefetch_tile(pf->next + (pf->done++) * TILE, 1);
+    for (pf->acc += pf->tiles; pf->acc >= pf->steps; pf->acc -= pf->steps)
+        prefetch_tile(pf->next + (pf->done++) * TILE, 1);
 }
 
-/* Accumulators 0-3 (row tile t, output block j in tile 2t + j) += the chunk's rows times K tiles kb0 .. kb1 - 1
- * of `nbn` (1 or 2) output blocks starting at b0. */
+/* Accumulators 0-3 (row tile t, output block j in tile 2t + j) += the chunk's rows times K tiles
+ * kb0 .. kb1 - 1 of `nbn` (1 or 2) output blocks starting at b0. */
 static inline void chunk_products(const RowChunk *ch, const uint16_t *b0, int kb0, int kb1, int nbn,
                                   size_t block_stride, Prefetch *pf) {
     for (int kb = kb0; kb < kb1; kb++) {
@@ -172,7 +193,10 @@ static inline void chunk_products(const RowChunk *ch, const uint16_t *b0, int kb
         _tile_loadd(4, ch->x0 + kb * 32, ch->stride0 * 2);
         _tile_loadd(6, bk, 64);
         _tile_dpbf16ps(0, 4, 6);
-        if (ch->two) { _tile_loadd(5, ch->x1 + kb * 32, ch->stride1 * 2); _tile_dpbf16ps(2, 5, 6); }
+        if (ch->two) {
+            _tile_loadd(5, ch->x1 + kb * 32, ch->stride1 * 2);
+            _tile_dpbf16ps(2, 5, 6);
+        }
         if (nbn > 1) {
             _tile_loadd(7, bk + block_stride, 64);
             _tile_dpbf16ps(1, 4, 7);
@@ -183,10 +207,11 @@ static inline void chunk_products(const RowChunk *ch, const uint16_t *b0, int kb
 
 /* `rows` rows of a group's two accumulator tiles (a0, a1) -> out: columns `col` .. of the output, which are
  * col = group * 32 plainly (`cols` of them) or group * 16 gated (a0 gate, a1 up: silu(gate) * up). */
-static inline void store_group(const float *a0, const float *a1, int rows, int cols, uint16_t *out, long out_stride,
-                               const uint16_t *bias, int col, int inter, int gated) {
+static inline void store_group(const float *a0, const float *a1, int rows, int cols, uint16_t *out,
+                               long out_stride, const uint16_t *bias, int col, int inter, int gated) {
     if (gated)
-        store_gated(a0, a1, rows, out, out_stride, bias ? bias + col : NULL, bias ? bias + inter + col : NULL);
+        store_gated(a0, a1, rows, out, out_stride, bias ? bias + col : NULL,
+                    bias ? bias + inter + col : NULL);
     else
         store_rows2(a0, a1, rows, cols, out, out_stride, bias ? bias + col : NULL);
 }
@@ -212,15 +237,18 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
         const int g_begin = (int)((long)groups * tid / nt), g_end = (int)((long)groups * (tid + 1) / nt);
         float acc[4][256] __attribute__((aligned(64)));
         /* accumulators of a row block's chunks between K blocks (the large-M path): [chunks][4 tiles][256] */
-        float *spill = M >= LARGE_M ? (float *)aligned_alloc(64, (size_t)(ROW_BLOCK / 32) * 1024 * sizeof(float)) : NULL;
-        uint16_t *stage = M >= LARGE_M ? (uint16_t *)aligned_alloc(64, (size_t)ROW_BLOCK * STAGE_GROUPS * 32 * 2) : NULL;
+        float *spill =
+            M >= LARGE_M ? (float *)aligned_alloc(64, (size_t)(ROW_BLOCK / 32) * 1024 * sizeof(float)) : NULL;
+        uint16_t *stage =
+            M >= LARGE_M ? (uint16_t *)aligned_alloc(64, (size_t)ROW_BLOCK * STAGE_GROUPS * 32 * 2) : NULL;
         /* the last 16-row tile of x when M > 16 is not a multiple of 16: copied, zero-padded */
         uint16_t *tail = NULL;
         const int tail_row = M > 16 && M % 16 ? M / 16 * 16 : -1;
         if (tail_row >= 0 && g_begin < g_end) {
             tail = (uint16_t *)calloc((size_t)16 * K, sizeof(uint16_t));
             if (tail)
-                for (int r = tail_row; r < M; r++) memcpy(tail + (size_t)(r - tail_row) * K, x + r * x_stride, (size_t)K * 2);
+                for (int r = tail_row; r < M; r++)
+                    memcpy(tail + (size_t)(r - tail_row) * K, x + r * x_stride, (size_t)K * 2);
             else {
 #pragma omp atomic write
                 failed = 1;
@@ -240,16 +268,20 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                         _tile_loadd(4, x + kb * 32, x_stride * 2);
                         _tile_loadd(6, bk, 64);
                         _tile_dpbf16ps(0, 4, 6);
+                        /* clang-format off */
                         if (nbn > 1) { _tile_loadd(7, bk + block_stride, 64); _tile_dpbf16ps(1, 4, 7); }
                         if (nbn > 2) { _tile_loadd(6, bk + 2 * block_stride, 64); _tile_dpbf16ps(2, 4, 6); }
                         if (nbn > 3) { _tile_loadd(7, bk + 3 * block_stride, 64); _tile_dpbf16ps(3, 4, 7); }
+                        /* clang-format on */
                     }
                     store_accs(acc[0]);
                     for (int j = 0; j < nbn; j++) {
                         const int n0 = (nb0 + j) * 16;
                         if (!gated) {
-                            store_rows(acc[j], M, N - n0 < 16 ? N - n0 : 16, out + n0, out_stride, bias ? bias + n0 : NULL);
-                        } else if (j % 2 == 0) { /* blocks j, j + 1: gate and up of output columns o0 .. o0 + 15 */
+                            store_rows(acc[j], M, N - n0 < 16 ? N - n0 : 16, out + n0, out_stride,
+                                       bias ? bias + n0 : NULL);
+                        } else if (j % 2 == 0) {
+                            /* blocks j, j + 1: gate and up of output columns o0 .. o0 + 15 */
                             const int o0 = (nb0 + j) / 2 * 16;
                             store_gated(acc[j], acc[j + 1], M, out + o0, out_stride, bias ? bias + o0 : NULL,
                                         bias ? bias + inter + o0 : NULL);
@@ -257,10 +289,10 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                     }
                 }
             } else { /* groups of 2 output blocks; rows in blocks of ROW_BLOCK, chunks of 32 rows */
-                /* prefill chunks: K in blocks of KB_BLOCK, so that a group's weight tiles for one K block stay
-                 * in L1 across the row chunks; the accumulators go to `spill` between K blocks. (Without this
-                 * both x and the weights stream from L2 for every tile product, which L2's bandwidth cannot
-                 * feed.) */
+                /* prefill chunks: K in blocks of KB_BLOCK, so that a group's weight tiles for one K block
+                 * stay in L1 across the row chunks; the accumulators go to `spill` between K blocks.
+                 * (Without this both x and the weights stream from L2 for every tile product, which L2's
+                 * bandwidth cannot feed.) */
                 const int large = M >= LARGE_M && spill && stage;
                 for (int r0 = 0; r0 < M; r0 += ROW_BLOCK) {
                     const int r1 = M - r0 < ROW_BLOCK ? M : r0 + ROW_BLOCK;
@@ -273,16 +305,20 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                             for (int k0 = 0; k0 < KB; k0 += KB_BLOCK) {
                                 const int k1 = KB - k0 < KB_BLOCK ? KB : k0 + KB_BLOCK;
                                 for (int c = 0; c < chunks; c++) {
-                                    const RowChunk ch = row_chunk(x, x_stride, tail, tail_row, K, r0 + 32 * c, r1);
+                                    const RowChunk ch =
+                                        row_chunk(x, x_stride, tail, tail_row, K, r0 + 32 * c, r1);
                                     float *sp = spill + (size_t)c * 1024;
-                                    if (k0 == 0) zero_accs();
-                                    else load_accs(sp);
+                                    if (k0 == 0)
+                                        zero_accs();
+                                    else
+                                        load_accs(sp);
                                     chunk_products(&ch, b0, k0, k1, nbn, block_stride, NULL);
                                     store_accs(sp);
                                 }
                             }
-                            /* into the staging rows, flushed to out every STAGE_GROUPS groups: a row's columns of
-                             * several groups then go out as one run of lines, not one line per row and group */
+                            /* into the staging rows, flushed to out every STAGE_GROUPS groups: a row's
+                             * columns of several groups then go out as one run of lines, not one line
+                             * per row and group */
                             const int slot = (g - g_begin) % STAGE_GROUPS;
                             for (int c = 0; c < chunks; c++) {
                                 const int m0 = r0 + 32 * c;
@@ -290,7 +326,8 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                                 for (int t = 0; t < 2 && m0 + 16 * t < r1; t++) {
                                     const int row = m0 + 16 * t, rows = r1 - row < 16 ? r1 - row : 16;
                                     store_group(sp + 512 * t, sp + 512 * t + 256, rows, cols,
-                                                stage + (size_t)(row - r0) * STAGE_GROUPS * 32 + slot * out_group,
+                                                stage + (size_t)(row - r0) * STAGE_GROUPS * 32
+                                                    + slot * out_group,
                                                 STAGE_GROUPS * 32, bias, col, inter, gated);
                                 }
                             }
@@ -303,7 +340,8 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                             }
                             continue;
                         }
-                        /* the weights wanted next: this thread's next group, or its first for the next row block */
+                        /* the weights wanted next: this thread's next group, or its first for the next
+                         * row block */
                         const int g_next = g + 1 < g_end ? g + 1 : r1 < M ? g_begin : -1;
                         Prefetch pf = {g_next >= 0 ? packed + (size_t)g_next * 2 * block_stride : NULL,
                                        g_next >= 0 ? (NB - 2 * g_next < 2 ? NB - 2 * g_next : 2) * KB : 0,
@@ -316,8 +354,9 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                             store_accs(acc[0]);
                             for (int t = 0; t < 1 + ch.two; t++) {
                                 const int row = m0 + 16 * t, rows = r1 - row < 16 ? r1 - row : 16;
-                                store_group(acc[2 * t], acc[2 * t + 1], rows, cols, out + (long)row * out_stride + col,
-                                            out_stride, bias, col, inter, gated);
+                                store_group(acc[2 * t], acc[2 * t + 1], rows, cols,
+                                            out + (long)row * out_stride + col, out_stride, bias, col, inter,
+                                            gated);
                             }
                         }
                     }
@@ -334,13 +373,19 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
 
 #else /* no AMX in this build: callers keep oneDNN */
 int amx_available(void) { return 0; }
+/* clang-format off */
 size_t amx_packed_size(int N, int K) { (void)N; (void)K; return 0; }
-void amx_pack_bf16(const uint16_t *w, uint16_t *packed, int N, int K) { (void)w; (void)packed; (void)N; (void)K; }
-void amx_pack_bf16_gated(const uint16_t *w, uint16_t *packed, int N, int K) { amx_pack_bf16(w, packed, N, K); }
-int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
-                    long out_stride, int M, int N, int K, int num_threads, int gated) {
+void amx_pack_bf16(const uint16_t *w, uint16_t *packed, int N, int K) {
+    (void)w; (void)packed; (void)N; (void)K;
+}
+void amx_pack_bf16_gated(const uint16_t *w, uint16_t *packed, int N, int K) {
+    amx_pack_bf16(w, packed, N, K);
+}
+int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, const uint16_t *bias,
+                    uint16_t *out, long out_stride, int M, int N, int K, int num_threads, int gated) {
     (void)x; (void)x_stride; (void)packed; (void)bias; (void)out; (void)out_stride; (void)M; (void)N; (void)K;
     (void)num_threads; (void)gated;
     return -3;
 }
+/* clang-format on */
 #endif

@@ -33,7 +33,8 @@ static inline float e5m2_to_f32(uint8_t b) {
         const float f = (float)man * 1.52587890625e-05f;
         return sign ? -f : f;
     }
-    const uint32_t u = sign | (exp == 0x1f ? 0x7f800000u : (exp + 112) << 23) | (man << 21); /* 112 = 127 - 15 */
+    const uint32_t u =
+        sign | (exp == 0x1f ? 0x7f800000u : (exp + 112) << 23) | (man << 21); /* 112 = 127 - 15 */
     float f;
     memcpy(&f, &u, 4);
     return f;

@@ -37,10 +37,12 @@ void rotary_##SUF(const T *x, long x_stride, const T *cos, const T *sin, T *out,
 #ifdef HAVE_AVX512
 static inline __m512 ld16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 static inline __m512 ld16_bf16(const uint16_t *p, __mmask16 m) { return load16_bf16(p, m); }
-static inline __m512i bf16_bits(__m512 x) { /* round to nearest even; a NaN stays a (quiet) NaN: f32_to_bf16 */
+/* round to nearest even; a NaN stays a (quiet) NaN: f32_to_bf16 */
+static inline __m512i bf16_bits(__m512 x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
     return _mm512_mask_or_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16),
                                 _mm512_set1_epi32(0x40));
 }
@@ -58,7 +60,9 @@ static inline __m512 rnd16_bf16(__m512 x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(x)), 16));
 }
 static inline void st16_f32(float *p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
-static inline void st16_bf16(uint16_t *p, __m512 x, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, bf16_pack(x)); }
+static inline void st16_bf16(uint16_t *p, __m512 x, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, bf16_pack(x));
+}
 
 /* 16 lanes at a time: gcc does not vectorise the scalar bfloat16 rounding (its NaN branch), and the
  * scalar loop took ~1 ns an element (50 us for a [64, 768] decode step's norm, 25 of them a step). */
@@ -295,8 +299,8 @@ long write_kv(const char *k, long k_stride, const char *v, long v_stride, char *
     long bad = 0;
     const int stream = use_stream(k_cache, v_cache, rows, row_bytes);
     for (int r = 0; r < rows; r++)
-        bad += write_slot(k_cache, v_cache, slots[r], num_slots, k + (long)r * k_stride, v + (long)r * v_stride,
-                          row_bytes, stream);
+        bad += write_slot(k_cache, v_cache, slots[r], num_slots, k + (long)r * k_stride,
+                          v + (long)r * v_stride, row_bytes, stream);
     end_stream(stream);
     return bad;
 }

@@ -146,7 +146,8 @@ static int group_rows(const int32_t *block_tables, const int32_t *query_start, c
             row_keys[r] = seq_lens[i] - q_len + (r - query_start[i]) + 1;
             if (skip && skip[i]) continue;
             if (row_keys[r] >= block_size)
-                keys[n_keyed++] = ((uint64_t)(uint32_t)block_tables[(long)i * max_blocks] << 32) | (uint32_t)r;
+                keys[n_keyed++] =
+                    ((uint64_t)(uint32_t)block_tables[(long)i * max_blocks] << 32) | (uint32_t)r;
             else { /* nothing whole to share: a group of its own */
                 groups[n_groups++] = (RowGroup){n_order, 1, 0};
                 order[n_order++] = r;
@@ -186,7 +187,8 @@ static int group_rows(const int32_t *block_tables, const int32_t *query_start, c
  * [hg][width] floats each, then m and s [hg]; slices are row_floats apart. */
 typedef struct { float *q, *acc, *m, *s; } RowState;
 static inline RowState row_state(float *buf, size_t row_floats, int j, int max_hg, int width) {
-    float *q = buf + row_floats * (size_t)j, *acc = q + (size_t)max_hg * width, *m = acc + (size_t)max_hg * width;
+    float *q = buf + row_floats * (size_t)j, *acc = q + (size_t)max_hg * width,
+          *m = acc + (size_t)max_hg * width;
     return (RowState){q, acc, m, m + max_hg};
 }
 
@@ -194,9 +196,12 @@ static inline RowState row_state(float *buf, size_t row_floats, int j, int max_h
  * transpose-and-add tree (45 shuffles and adds instead of 16 horizontal reductions of ~9 each). */
 static inline __m512 hsum16x16(const __m512 d[16]) {
     __m512 a[8], b[4];
-    for (int i = 0; i < 8; i++) /* 128-bit lane k: [d2i(4k)+d2i(4k+2), d2i+1(..), d2i(4k+1)+d2i(4k+3), d2i+1(..)] */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
-    for (int i = 0; i < 4; i++) /* lane k: tokens 4i .. 4i+3, each summed over lane k */
+    /* 128-bit lane k: [d2i(4k)+d2i(4k+2), d2i+1(..), d2i(4k+1)+d2i(4k+3), d2i+1(..)] */
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]),
+                             _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+    /* lane k: tokens 4i .. 4i+3, each summed over lane k */
+    for (int i = 0; i < 4; i++)
         b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
     const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
@@ -559,9 +564,12 @@ static inline void vload32_bf16(const uint16_t *p, int left, __m512 *lo, __m512 
 static inline int acc_plain(int d) { return d; }
 static inline int acc_even_odd(int d) { return (d & ~31) + (d & 1) * 16 + ((d & 31) >> 1); }
 
-DEFINE_AVX512_KERNEL(paged_attention_f32, float, float, float, load_f32, dot_f32, vload32_f32, acc_plain, store_f32)
-DEFINE_AVX512_KERNEL(paged_attention_f32_e5m2, float, uint8_t, float, load_f32, dot_e5m2, vload32_e5m2, acc_plain, store_f32)
-DEFINE_AVX512_KERNEL(paged_attention_bf16_e5m2, uint16_t, uint8_t, float, bf16_to_f32, dot_e5m2, vload32_e5m2, acc_plain, store_bf16)
+DEFINE_AVX512_KERNEL(paged_attention_f32, float, float, float, load_f32, dot_f32, vload32_f32, acc_plain,
+                     store_f32)
+DEFINE_AVX512_KERNEL(paged_attention_f32_e5m2, float, uint8_t, float, load_f32, dot_e5m2, vload32_e5m2,
+                     acc_plain, store_f32)
+DEFINE_AVX512_KERNEL(paged_attention_bf16_e5m2, uint16_t, uint8_t, float, bf16_to_f32, dot_e5m2, vload32_e5m2,
+                     acc_plain, store_bf16)
 #ifdef __AVX512BF16__
 /* bfloat16 query and keys: vdpbf16ps multiplies 32 pairs and adds them in float32 in one instruction,
  * in place of two widenings and two FMAs per 16 elements. The products of two bfloat16 are exact in
@@ -571,14 +579,18 @@ static inline uint16_t load_bits(uint16_t x) { return x; }
 static inline __m512 dot_bf16_dp(const uint16_t *q, const uint16_t *k, int head_dim) {
     __m512 dot = _mm512_setzero_ps();
     for (int j = 0; j < head_dim; j += 32) {
-        const __mmask32 mk = head_dim - j >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (head_dim - j)) - 1);
-        dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(q + j), (__m512bh)_mm512_maskz_loadu_epi16(mk, k + j));
+        const __mmask32 mk =
+            head_dim - j >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (head_dim - j)) - 1);
+        dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(q + j),
+                               (__m512bh)_mm512_maskz_loadu_epi16(mk, k + j));
     }
     return dot;
 }
-DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, uint16_t, load_bits, dot_bf16_dp, vload32_bf16, acc_even_odd, store_bf16)
+DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, uint16_t, load_bits, dot_bf16_dp, vload32_bf16,
+                     acc_even_odd, store_bf16)
 #else
-DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, float, bf16_to_f32, dot_bf16, vload32_bf16, acc_even_odd, store_bf16)
+DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, float, bf16_to_f32, dot_bf16, vload32_bf16,
+                     acc_even_odd, store_bf16)
 #endif
 
 #else /* portable */

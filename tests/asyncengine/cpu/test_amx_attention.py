@@ -1,4 +1,5 @@
-"""The AMX prompt-attention kernel (csrc/amx_attention.c) against torch's SDPA and an exact float64 softmax."""
+"""The AMX prompt-attention kernel (csrc/amx_attention.c) against torch's SDPA and an exact float64
+softmax."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None)
     return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ vv).transpose(0, 1)
 
 
-@pytest.mark.parametrize("heads,head_dim", [((4, 4), 64), ((8, 2), 128), ((6, 1), 32), ((2, 2), 256), ((4, 2), 96)])
+@pytest.mark.parametrize(
+    "heads,head_dim", [((4, 4), 64), ((8, 2), 128), ((6, 1), 32), ((2, 2), 256), ((4, 2), 96)]
+)
 @pytest.mark.parametrize("window", [None, 7, 40])
 @pytest.mark.parametrize(
     "lens",
@@ -46,16 +49,16 @@ def test_matches_sdpa_and_is_as_accurate(heads, head_dim, window, lens) -> None:
     kv = torch.randn(s, 2, num_kv_heads, head_dim).to(torch.bfloat16)
     k, v = kv[:, 0], kv[:, 1]
     sentinel = torch.full((t + 3, num_heads, head_dim), 7.0, dtype=torch.bfloat16)
-    out = sentinel[1:t + 1]
+    out = sentinel[1 : t + 1]
     seqs, qs, ks = [], 0, 0
     for q_len, kv_len in lens:
         seqs.append((qs, q_len, ks, kv_len))
         qs, ks = qs + q_len, ks + kv_len
     assert amx_prompt_attention(q, k, v, out, seqs, head_dim**-0.5, window)
-    assert (sentinel[0] == 7).all() and (sentinel[t + 1:] == 7).all()  # nothing written outside the rows
+    assert (sentinel[0] == 7).all() and (sentinel[t + 1 :] == 7).all()  # nothing written outside the rows
     for q0, q_len, k0, kv_len in seqs:
-        qi, ki, vi = q[q0:q0 + q_len], k[k0:k0 + kv_len], v[k0:k0 + kv_len]
-        got, ref = out[q0:q0 + q_len], causal_attention(qi, ki, vi, head_dim**-0.5, window)
+        qi, ki, vi = q[q0 : q0 + q_len], k[k0 : k0 + kv_len], v[k0 : k0 + kv_len]
+        got, ref = out[q0 : q0 + q_len], causal_attention(qi, ki, vi, head_dim**-0.5, window)
         torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
         # both round P to bfloat16 before P V: their errors against the exact result are alike
         e = exact(qi, ki, vi, window)
@@ -109,7 +112,7 @@ def test_paged_keys_match_gathered_ones(window) -> None:
         values = gather_kv(vc, meta.block_tables[i], seq_len, q.dtype)
         alone = torch.zeros_like(q)
         assert amx_prompt_attention(q, keys, values, alone, [(s, n, 0, seq_len)], 0.125, window)
-        assert torch.equal(paged[s:s + n], alone[s:s + n])
+        assert torch.equal(paged[s : s + n], alone[s : s + n])
 
 
 def test_float8_cache_routes_prompts_by_gather() -> None:

@@ -39,8 +39,16 @@ def build_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, blo
     v = torch.randn(t, num_kv_heads, head_dim).to(dtype)
     write_kv_cache(k, v, k_cache, v_cache, torch.tensor(slots))
     qs = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    meta = AttentionMetadata(torch.tensor(slots), qs, torch.tensor(seq_lens, dtype=torch.int32), tables,
-                             list(query_lens), seq_lens, max(query_lens), max(seq_lens))
+    meta = AttentionMetadata(
+        torch.tensor(slots),
+        qs,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        tables,
+        list(query_lens),
+        seq_lens,
+        max(query_lens),
+        max(seq_lens),
+    )
     return q, k, v, k_cache, v_cache, meta
 
 
@@ -58,8 +66,9 @@ def build_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, blo
 )
 def test_kernel_matches_reference_fp32(head_dim, heads, block_size, query_lens, context_lens) -> None:
     num_heads, num_kv_heads = heads
-    q, k, v, kc, vc, meta = build_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size,
-                                        torch.float32)
+    q, k, v, kc, vc, meta = build_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32
+    )
     scale = head_dim**-0.5
     ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, scale)
     got = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, scale)
@@ -68,7 +77,9 @@ def test_kernel_matches_reference_fp32(head_dim, heads, block_size, query_lens, 
 
 def test_kernel_bf16_close_to_fp32_reference() -> None:
     q, k, v, kc, vc, meta = build_batch([1, 4, 1], [30, 12, 100], 8, 2, 64, 16, torch.bfloat16)
-    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, 0.125)
+    ref = TorchAttentionBackend().forward(
+        q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, 0.125
+    )
     got = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
@@ -77,10 +88,16 @@ def test_kernel_bf16_close_to_fp32_reference() -> None:
 def test_padding_rows_read_nothing() -> None:
     q, k, v, kc, vc, meta = build_batch([1, 1], [10, 20], 4, 2, 64, 16, torch.float32)
     # a padded decode batch: two more rows with seq_len 0 must come back as zeros
-    pad = AttentionMetadata(meta.slot_mapping, torch.arange(5, dtype=torch.int32),
-                            torch.tensor([11, 21, 0, 0], dtype=torch.int32),
-                            torch.cat([meta.block_tables, torch.zeros(2, meta.block_tables.shape[1], dtype=torch.int32)]),
-                            [1] * 4, [11, 21, 0, 0], 1, 21)
+    pad = AttentionMetadata(
+        meta.slot_mapping,
+        torch.arange(5, dtype=torch.int32),
+        torch.tensor([11, 21, 0, 0], dtype=torch.int32),
+        torch.cat([meta.block_tables, torch.zeros(2, meta.block_tables.shape[1], dtype=torch.int32)]),
+        [1] * 4,
+        [11, 21, 0, 0],
+        1,
+        21,
+    )
     q4 = torch.cat([q, torch.randn(2, 4, 64)])
     got = CpuAttentionBackend().forward(q4, k, v, kc, vc, pad, 0.125)
     ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
@@ -94,8 +111,9 @@ def test_both_builds_match_reference(dtype, heads, head_dim) -> None:
     """The AVX-512 build (where the CPU has it) and the portable build both match the reference, with
     enough rows and heads that the work splits into head runs and long contexts cross many blocks."""
     num_heads, num_kv_heads = heads
-    q, k, v, kc, vc, meta = build_batch([1, 1, 1, 3, 1], [0, 17, 64, 40, 300], num_heads, num_kv_heads, head_dim, 16,
-                                        dtype)
+    q, k, v, kc, vc, meta = build_batch(
+        [1, 1, 1, 3, 1], [0, 17, 64, 40, 300], num_heads, num_kv_heads, head_dim, 16, dtype
+    )
     ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, 0.1)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for lib in (load_kernel_library(), load_kernel_library(portable=True)):
@@ -109,7 +127,9 @@ def windowed_brute_force(q, kc, vc, meta, scale, window):
     block_size, group = kc.shape[1], q.shape[1] // kc.shape[2]
     row = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        slots = [int(meta.block_tables[i, p // block_size]) * block_size + p % block_size for p in range(seq_len)]
+        slots = [
+            int(meta.block_tables[i, p // block_size]) * block_size + p % block_size for p in range(seq_len)
+        ]
         keys = kc.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [seq_len, H, D]
         values = vc.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
         for j in range(q_len):
@@ -128,8 +148,9 @@ def test_sliding_window(dtype, window, num_threads) -> None:
     """Each query sees only its last `window` keys: decode rows (windows starting mid-block), a multi-row
     kernel chunk, prompt chunks after context (SDPA with a mask) and a fresh prefill, with prefix-shared
     blocks (which must not be read as a group past a window); both builds, against a brute force."""
-    q, k, v, kc, vc, meta = build_batch([1, 1, 1, 5, 20, 17, 1, 1], [0, 9, 100, 37, 30, 0, 70, 70], 8, 2, 64, 16,
-                                        dtype)
+    q, k, v, kc, vc, meta = build_batch(
+        [1, 1, 1, 5, 20, 17, 1, 1], [0, 9, 100, 37, 30, 0, 70, 70], 8, 2, 64, 16, dtype
+    )
     meta.block_tables[7, :3] = meta.block_tables[6, :3]  # two sequences sharing a 48-token prefix
     expected = windowed_brute_force(q, kc, vc, meta, 0.1, window)
     ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.1, window)
@@ -146,17 +167,21 @@ def test_sliding_window(dtype, window, num_threads) -> None:
 
 
 def quantize(q, k, v, kc, vc):
-    """What the Attention layer does with kv_cache_dtype=fp8_e5m2: caches in e5m2, this step's K/V as stored."""
+    """What the Attention layer does with kv_cache_dtype=fp8_e5m2: caches in e5m2, this step's K/V as
+    stored."""
     e5m2 = torch.float8_e5m2
     return q, k.to(e5m2).to(q.dtype), v.to(e5m2).to(q.dtype), kc.to(e5m2), vc.to(e5m2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,head_dim,block_size", [((4, 4), 64, 16), ((8, 2), 80, 32), ((12, 12), 64, 16)])
+@pytest.mark.parametrize(
+    "heads,head_dim,block_size", [((4, 4), 64, 16), ((8, 2), 80, 32), ((12, 12), 64, 16)]
+)
 def test_fp8_cache_matches_reference(dtype, heads, head_dim, block_size) -> None:
     num_heads, num_kv_heads = heads
-    batch = build_batch([1, 1, 5, 20, 1, 17], [0, 40, 12, 30, 300, 0], num_heads, num_kv_heads, head_dim, block_size,
-                        dtype)
+    batch = build_batch(
+        [1, 1, 5, 20, 1, 17], [0, 40, 12, 30, 300, 0], num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
     q, k, v, kc, vc = quantize(*batch[:5])
     meta = batch[5]
     ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.1)
@@ -179,9 +204,16 @@ def test_fp8_widening_is_exact(dtype) -> None:
     vc = torch.tensor(codes, dtype=torch.uint8).view(torch.float8_e5m2).view(1, 1, 2, 128)
     vc = torch.cat([torch.zeros_like(vc), vc])  # block 1 holds the key
     kc = torch.zeros_like(vc)
-    meta = AttentionMetadata(torch.tensor([16]), torch.tensor([0, 1], dtype=torch.int32),
-                             torch.tensor([1], dtype=torch.int32), torch.tensor([[1]], dtype=torch.int32),
-                             [1], [1], 1, 1)
+    meta = AttentionMetadata(
+        torch.tensor([16]),
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([[1]], dtype=torch.int32),
+        [1],
+        [1],
+        1,
+        1,
+    )
     q = torch.randn(1, 2, 128).to(dtype)
     k, v = kc[1].to(dtype), vc[1].to(dtype)
     for lib in (load_kernel_library(), load_kernel_library(portable=True)):
@@ -215,7 +247,9 @@ def test_shared_prefix_blocks_change_no_bit(dtype, heads, head_dim, num_threads)
     num_heads, num_kv_heads = heads
     query_lens = [1] * 40 + [5, 20, 1, 1]
     context_lens = [100 + 7 * i for i in range(40)] + [40, 0, 9, 70]
-    q, k, v, kc, vc, meta = build_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype)
+    q, k, v, kc, vc, meta = build_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype
+    )
     share_prefix(meta.block_tables, list(range(0, 30)), 4)  # a 64-token prefix common to 30 requests
     share_prefix(meta.block_tables, [0, 30, 31], 2)  # two more that share only its first 32 tokens
     share_prefix(meta.block_tables, [32, 33, 34, 35], 6)  # another prompt, 96 tokens, four requests
@@ -223,8 +257,16 @@ def test_shared_prefix_blocks_change_no_bit(dtype, heads, head_dim, num_threads)
     share_prefix(meta.block_tables, [36, 42], 1)  # 42 has 10 keys: no whole block to share
     ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, 0.1)
     kc2, vc2, tables2 = unshare(kc, vc, meta.block_tables)
-    meta2 = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, tables2, meta.query_lens_cpu,
-                              meta.seq_lens_cpu, meta.max_query_len, meta.max_seq_len)
+    meta2 = AttentionMetadata(
+        meta.slot_mapping,
+        meta.query_start_loc,
+        meta.seq_lens,
+        tables2,
+        meta.query_lens_cpu,
+        meta.seq_lens_cpu,
+        meta.max_query_len,
+        meta.max_seq_len,
+    )
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
@@ -249,22 +291,34 @@ def test_long_rows_give_the_same_bits_in_any_batch(dtype, heads, head_dim, windo
     num_heads, num_kv_heads = heads
     query_lens = [1] * 36 + [3, 1, 1, 1]
     context_lens = [3000, 1025, 1024, 1023] + [1150 + 37 * i for i in range(32)] + [2100, 1, 40, 2300]
-    q, k, v, kc, vc, meta = build_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype)
+    q, k, v, kc, vc, meta = build_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, dtype
+    )
     if window is None:
         share_prefix(meta.block_tables, list(range(4, 14)), 70)
-    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, 0.1, window)
+    ref = TorchAttentionBackend().forward(
+        q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, 0.1, window
+    )
     qs = meta.query_start_loc.tolist()
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
         got = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.1, window)
         for i in [0, 1, 2, 3, 4, 5, 20, 36, 39]:
-            alone = AttentionMetadata(meta.slot_mapping[qs[i]:qs[i + 1]], torch.tensor([0, query_lens[i]], dtype=torch.int32),
-                                      meta.seq_lens[i:i + 1], meta.block_tables[i:i + 1], [query_lens[i]],
-                                      [meta.seq_lens_cpu[i]], query_lens[i], meta.seq_lens_cpu[i])
-            one = CpuAttentionBackend().forward(q[qs[i]:qs[i + 1]], k[qs[i]:qs[i + 1]], v[qs[i]:qs[i + 1]], kc, vc,
-                                                alone, 0.1, window)
-            assert torch.equal(one, got[qs[i]:qs[i + 1]]), f"sequence {i}"
+            alone = AttentionMetadata(
+                meta.slot_mapping[qs[i] : qs[i + 1]],
+                torch.tensor([0, query_lens[i]], dtype=torch.int32),
+                meta.seq_lens[i : i + 1],
+                meta.block_tables[i : i + 1],
+                [query_lens[i]],
+                [meta.seq_lens_cpu[i]],
+                query_lens[i],
+                meta.seq_lens_cpu[i],
+            )
+            one = CpuAttentionBackend().forward(
+                q[qs[i] : qs[i + 1]], k[qs[i] : qs[i + 1]], v[qs[i] : qs[i + 1]], kc, vc, alone, 0.1, window
+            )
+            assert torch.equal(one, got[qs[i] : qs[i + 1]]), f"sequence {i}"
     finally:
         torch.set_num_threads(previous)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

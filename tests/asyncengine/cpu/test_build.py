@@ -9,8 +9,9 @@ import pytest
 
 from asyncengine.cpu import amx, attention, build, ops
 
-needs_compiler = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
-                                    reason="no C compiler")
+needs_compiler = pytest.mark.skipif(
+    shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler"
+)
 
 
 def test_kernel_sources_ship_beside_build() -> None:

@@ -143,7 +143,9 @@ def test_padded_k_matches_f_linear() -> None:
     packed = cpu_amx.pack(w)
     assert packed is not None and (packed.in_features, packed.in_padded) == (40, 64)
     x = torch.randn(20, 40, generator=g).to(torch.bfloat16)
-    torch.testing.assert_close(cpu_amx.linear(x, packed, None).float(), F.linear(x, w).float(), rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(
+        cpu_amx.linear(x, packed, None).float(), F.linear(x, w).float(), rtol=2**-7, atol=1e-2
+    )
 
 
 @needs_amx

@@ -85,7 +85,10 @@ def test_write_kv_matches_index_copy(dtype) -> None:
     _, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
     slots = torch.randperm(blocks * bs)[:tokens]
-    got_k, got_v = torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype), torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype)
+    got_k, got_v = (
+        torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype),
+        torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype),
+    )
     assert cpu_ops.write_kv(k, v, got_k, got_v, slots)
     ref_k, ref_v = torch.zeros_like(got_k), torch.zeros_like(got_v)
     ref_k.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
@@ -96,8 +99,12 @@ def test_write_kv_matches_index_copy(dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,half", [(9, 4, 2, 64, 32), (5, 3, 3, 80, 16), (300, 12, 12, 64, 32)])
-def test_rope_write_kv_matches_rotary_then_write(build, dtype, tokens, heads, kv_heads, head_dim, half) -> None:
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,head_dim,half", [(9, 4, 2, 64, 32), (5, 3, 3, 80, 16), (300, 12, 12, 64, 32)]
+)
+def test_rope_write_kv_matches_rotary_then_write(
+    build, dtype, tokens, heads, kv_heads, head_dim, half
+) -> None:
     """One call == rotary(q), rotary(k), write_kv(rotated k, v), bit for bit: GQA, partial rotary (80, 16),
     q / k / v as column slices of the fused qkv output, a multi-threaded row count (300)."""
     torch.manual_seed(tokens)
@@ -112,14 +119,20 @@ def test_rope_write_kv_matches_rotary_then_write(build, dtype, tokens, heads, kv
     assert fused is not None
     ref_q, ref_k = apply_rotary(q, cos, sin, head_dim), apply_rotary(k, cos, sin, head_dim)
     ref_kc, ref_vc = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-    assert cpu_ops.write_kv(ref_k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim), ref_kc, ref_vc, slots)
+    assert cpu_ops.write_kv(
+        ref_k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim), ref_kc, ref_vc, slots
+    )
     assert torch.equal(fused[0], ref_q) and torch.equal(fused[1], ref_k)
     assert torch.equal(got_k, ref_kc) and torch.equal(got_v, ref_vc)
     with pytest.raises(IndexError):
         cpu_ops.rope_write_kv(q, k, v, cos, sin, got_k, got_v, torch.full((tokens,), blocks * bs), head_dim)
     # what it does not take: a cache of another dtype (float8), int32 slots
-    assert cpu_ops.rope_write_kv(q, k, v, cos, sin, got_k.to(torch.float8_e5m2), got_v.to(torch.float8_e5m2),
-                                 slots, head_dim) is None
+    assert (
+        cpu_ops.rope_write_kv(
+            q, k, v, cos, sin, got_k.to(torch.float8_e5m2), got_v.to(torch.float8_e5m2), slots, head_dim
+        )
+        is None
+    )
     assert cpu_ops.rope_write_kv(q, k, v, cos, sin, got_k, got_v, slots.int(), head_dim) is None
 
 

@@ -28,7 +28,9 @@ from asyncengine.worker.model_runner import ModelRunner
 pytestmark = pytest.mark.skipif(not kernel_graphs_apply(), reason="no C kernels (no compiler)")
 
 
-def make_runner(path: Any, max_num_seqs: int, max_len: int, num_blocks: int) -> tuple[ModelRunner, KernelGraphRunner]:
+def make_runner(
+    path: Any, max_num_seqs: int, max_len: int, num_blocks: int
+) -> tuple[ModelRunner, KernelGraphRunner]:
     set_attention_backend(CpuAttentionBackend())
     cfg = EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=max_num_seqs)
     runner = ModelRunner(cfg, ParallelContext(), torch.device("cpu"), torch.bfloat16, max_len)
@@ -42,27 +44,43 @@ def decode_inputs(runner: ModelRunner, seqs: list[SeqState], step: int) -> Model
     mi = runner.prepare_model_input(StepBatch(step, seqs, [1] * len(seqs), [0] * len(seqs)))
     runner._decode_meta = mi.meta
     meta = mi.meta
-    return ModelInputs(mi.input_ids, mi.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                       meta.query_start_loc)
+    return ModelInputs(
+        mi.input_ids, mi.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc
+    )
 
 
-@pytest.mark.parametrize("arch,overrides,captured", [
-    ("llama", {}, True),
-    ("qwen2", {}, True),  # q/k/v biases
-    ("mistral", {"sliding_window": 12}, True),  # windowed attention
-    ("llama", {"num_key_value_heads": 1, "hidden_size": 128}, True),  # GQA 4:1
-    # q/k norms run as torch ops on [T, heads, D] views: more than a replay repeats, so eager throughout
-    ("qwen3", {"head_dim": 32}, False),
-])
-def test_replay_matches_eager_step_by_step(arch: str, overrides: dict[str, Any], captured: bool,
-                                           tiny_model_factory: Any) -> None:
+@pytest.mark.parametrize(
+    "arch,overrides,captured",
+    [
+        ("llama", {}, True),
+        ("qwen2", {}, True),  # q/k/v biases
+        ("mistral", {"sliding_window": 12}, True),  # windowed attention
+        ("llama", {"num_key_value_heads": 1, "hidden_size": 128}, True),  # GQA 4:1
+        # q/k norms run as torch ops on [T, heads, D] views: more than a replay repeats, so eager throughout
+        ("qwen3", {"head_dim": 32}, False),
+    ],
+)
+def test_replay_matches_eager_step_by_step(
+    arch: str, overrides: dict[str, Any], captured: bool, tiny_model_factory: Any
+) -> None:
     runner, graphs = make_runner(tiny_model_factory(arch, **overrides), 8, 128, 8 * 8)
     rng = random.Random(0)
-    seqs = [SeqState(i, [rng.randrange(500) for _ in range(5 + 7 * i)], 0, list(range(8 * i, 8 * i + 8)), 0,
-                     SamplingOptions(temperature=0.0)) for i in range(6)]
+    seqs = [
+        SeqState(
+            i,
+            [rng.randrange(500) for _ in range(5 + 7 * i)],
+            0,
+            list(range(8 * i, 8 * i + 8)),
+            0,
+            SamplingOptions(temperature=0.0),
+        )
+        for i in range(6)
+    ]
     with torch.inference_mode():
-        out = runner.execute_model(runner.prepare_model_input(
-            StepBatch(0, seqs, [len(s.token_ids) for s in seqs], [0] * len(seqs))), None)
+        out = runner.execute_model(
+            runner.prepare_model_input(StepBatch(0, seqs, [len(s.token_ids) for s in seqs], [0] * len(seqs))),
+            None,
+        )
         for s, t in zip(seqs, out.token_ids):
             s.num_computed_tokens = len(s.token_ids)
             s.token_ids.append(t)

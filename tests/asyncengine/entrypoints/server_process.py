@@ -1,4 +1,5 @@
-"""Helpers for tests that run `asyncengine serve` as a subprocess: start, wait for the URL line, kill, inspect."""
+"""Helpers for tests that run `asyncengine serve` as a subprocess: start, wait for the URL line, kill,
+inspect."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def children(pid: int) -> list[int]:
             text = stat.read_text()
         except OSError:
             continue
-        fields = text[text.rindex(")") + 2:].split()
+        fields = text[text.rindex(")") + 2 :].split()
         parents[int(stat.parent.name)] = int(fields[1])
     found, frontier = [], [pid]
     while frontier:
@@ -93,7 +94,9 @@ class ServerProcess:
             elif self.proc.poll() is not None:
                 break
         self.kill()
-        raise RuntimeError(f"server did not start; stdout={buf!r}\nstderr tail:\n{self.log.read_text()[-3000:]}")
+        raise RuntimeError(
+            f"server did not start; stdout={buf!r}\nstderr tail:\n{self.log.read_text()[-3000:]}"
+        )
 
     def kill(self) -> None:
         """SIGKILL to the whole process group: the server and its workers (test cleanup only)."""
@@ -103,15 +106,36 @@ class ServerProcess:
             self.proc.wait(10)
 
 
-def start_server(model: Path, tmp: Path, *args: str, port: int = 0, wait: bool = True,
-                 env: dict[str, str] | None = None) -> ServerProcess:
+def start_server(
+    model: Path, tmp: Path, *args: str, port: int = 0, wait: bool = True, env: dict[str, str] | None = None
+) -> ServerProcess:
     log = tmp / f"server-{time.monotonic_ns()}.log"
-    cmd = [sys.executable, "-m", "asyncengine", "serve", "--model", str(model), "--port", str(port),
-           "--dtype", "float32", "--num-kv-blocks", str(NUM_KV_BLOCKS), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncengine",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        str(NUM_KV_BLOCKS),
+        *args,
+    ]
     # cwd=tmp: the repository root would shadow the installed `asyncengine.cuda`/`transport` (docs/design.md)
     with log.open("w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, cwd=tmp,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            cwd=tmp,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
     server = ServerProcess(proc, log)
     if wait:
         server.wait_ready()
@@ -136,9 +160,14 @@ def wait_aborted(server: ServerProcess, aborts_before: float, timeout_s: float =
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         aborts = metric(server, ABORTS)
-        if (aborts > aborts_before and metric(server, "kv_cache_free_blocks") == NUM_KV_BLOCKS
-                and metric(server, "num_requests_running") == 0):
+        if (
+            aborts > aborts_before
+            and metric(server, "kv_cache_free_blocks") == NUM_KV_BLOCKS
+            and metric(server, "num_requests_running") == 0
+        ):
             return aborts
         time.sleep(0.1)
-    raise AssertionError(f"no abort, or KV blocks not freed: {metric(server, 'kv_cache_free_blocks')} of "
-                         f"{NUM_KV_BLOCKS}, aborts {metric(server, ABORTS)} (before {aborts_before})")
+    raise AssertionError(
+        f"no abort, or KV blocks not freed: {metric(server, 'kv_cache_free_blocks')} of "
+        f"{NUM_KV_BLOCKS}, aborts {metric(server, ABORTS)} (before {aborts_before})"
+    )

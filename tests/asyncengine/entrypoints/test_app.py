@@ -54,12 +54,18 @@ class FakeEngine:
                 reason = "abort" if request_id in self.aborted else ("length" if last else None)
                 ids.append(i)
                 if params.output_kind == OutputKind.DELTA:
-                    yield RequestOutput(request_id, None, [7, 7], [CompletionOutput(0, f"t{i} ", [i], None, None,
-                                                                                      reason)], reason is not None)
+                    yield RequestOutput(
+                        request_id,
+                        None,
+                        [7, 7],
+                        [CompletionOutput(0, f"t{i} ", [i], None, None, reason)],
+                        reason is not None,
+                    )
                 elif reason is not None:
                     text = "".join(f"t{j} " for j in ids)
-                    yield RequestOutput(request_id, None, [7, 7], [CompletionOutput(0, text, ids, None, None,
-                                                                                      reason)], True)
+                    yield RequestOutput(
+                        request_id, None, [7, 7], [CompletionOutput(0, text, ids, None, None, reason)], True
+                    )
                 if reason is not None:
                     return
         finally:
@@ -103,28 +109,33 @@ def test_auth() -> None:
     assert denied.value.status_code == 401
 
 
-@pytest.mark.parametrize("body, words", [
-    ("{}", "prompt"),
-    ('{"prompt": "x", "temperature": "hot"}', "temperature"),
-    ('{"prompt": "x", "max_tokens": 0}', "max_tokens"),
-    ('{"prompt": "x", "echo": true}', "echo"),
-    ('{"prompt": "x", "stream_options": {"include_usage": true}}', "stream"),
-    ("{not json", "JSON"),
-    ('{"prompt": "bad"}', "bad prompt"),
-    ('{"prompt": "x", "model": "other"}', "does not exist"),
-    # strict types, as OpenAI's, and ranges that name the field (ints past 64 bits killed the engine)
-    ('{"prompt": "x", "max_tokens": "4"}', "max_tokens"),
-    ('{"prompt": "x", "max_tokens": true}', "max_tokens"),
-    ('{"prompt": "x", "n": 2.0}', "n"),
-    ('{"prompt": "x", "top_k": 1180591620717411303424}', "top_k"),
-    ('{"prompt": "x", "min_tokens": 18446744073709551616, "max_tokens": null}', "min_tokens"),
-    ('{"prompt": "x", "stop_token_ids": [18446744073709551616], "min_tokens": 1}', "stop_token_ids"),
-    ('{"prompt": "x", "seed": 9223372036854775808}', "seed"),
-    ('{"prompt": "x", "logprobs": 1e400}', "logprobs"),
-    ('{"prompt": "x", "temperature": 1e400}', "temperature"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ("{}", "prompt"),
+        ('{"prompt": "x", "temperature": "hot"}', "temperature"),
+        ('{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+        ('{"prompt": "x", "echo": true}', "echo"),
+        ('{"prompt": "x", "stream_options": {"include_usage": true}}', "stream"),
+        ("{not json", "JSON"),
+        ('{"prompt": "bad"}', "bad prompt"),
+        ('{"prompt": "x", "model": "other"}', "does not exist"),
+        # strict types, as OpenAI's, and ranges that name the field (ints past 64 bits killed the engine)
+        ('{"prompt": "x", "max_tokens": "4"}', "max_tokens"),
+        ('{"prompt": "x", "max_tokens": true}', "max_tokens"),
+        ('{"prompt": "x", "n": 2.0}', "n"),
+        ('{"prompt": "x", "top_k": 1180591620717411303424}', "top_k"),
+        ('{"prompt": "x", "min_tokens": 18446744073709551616, "max_tokens": null}', "min_tokens"),
+        ('{"prompt": "x", "stop_token_ids": [18446744073709551616], "min_tokens": 1}', "stop_token_ids"),
+        ('{"prompt": "x", "seed": 9223372036854775808}', "seed"),
+        ('{"prompt": "x", "logprobs": 1e400}', "logprobs"),
+        ('{"prompt": "x", "temperature": 1e400}', "temperature"),
+    ],
+)
 def test_bad_requests_get_openai_errors(body: str, words: str) -> None:
-    r = client(FakeEngine()).post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    r = client(FakeEngine()).post(
+        "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+    )
     assert r.status_code in (400, 404), r.text
     err = r.json()["error"]
     assert words in err["message"] and err["code"] == r.status_code and err["type"]
@@ -142,7 +153,10 @@ def test_body_limit_and_unknown_route() -> None:
 
 def test_chat_needs_a_chat_template() -> None:
     body = {"messages": [{"role": "user", "content": "hi"}]}
-    assert "no tokenizer" in client(FakeEngine()).post("/v1/chat/completions", json=body).json()["error"]["message"]
+    assert (
+        "no tokenizer"
+        in client(FakeEngine()).post("/v1/chat/completions", json=body).json()["error"]["message"]
+    )
     tok = SimpleNamespace(chat_template=None)
     r = client(FakeEngine(tokenizer=tok)).post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
@@ -155,8 +169,11 @@ def test_completions_batch_n_and_stream() -> None:
     r = resp.json()
     assert r["object"] == "text_completion" and [ch["index"] for ch in r["choices"]] == [0, 1]
     assert r["choices"][0]["text"] == "t0 t1 " and r["usage"]["completion_tokens"] == 4
-    with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True,
-                                                   "stream_options": {"include_usage": True}}) as s:
+    with c.stream(
+        "POST",
+        "/v1/completions",
+        json={"prompt": "x", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}},
+    ) as s:
         lines = [line for line in s.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
@@ -170,9 +187,16 @@ class NoTextEngine(FakeEngine):
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str):
         async for out in super().generate(prompt, params, request_id):
-            yield RequestOutput(out.request_id, None, out.prompt_token_ids,
-                                [CompletionOutput(c.index, "", c.token_ids, None, None, c.finish_reason)
-                                 for c in out.outputs], out.finished)
+            yield RequestOutput(
+                out.request_id,
+                None,
+                out.prompt_token_ids,
+                [
+                    CompletionOutput(c.index, "", c.token_ids, None, None, c.finish_reason)
+                    for c in out.outputs
+                ],
+                out.finished,
+            )
 
 
 def test_completions_return_token_ids() -> None:
@@ -186,7 +210,9 @@ def test_completions_return_token_ids() -> None:
     assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
 
     def stream(extra: dict[str, Any]) -> list[dict[str, Any]]:
-        with c.stream("POST", "/v1/completions", json={"prompt": [1], "max_tokens": 4, "stream": True, **extra}) as s:
+        with c.stream(
+            "POST", "/v1/completions", json={"prompt": [1], "max_tokens": 4, "stream": True, **extra}
+        ) as s:
             lines = [line for line in s.iter_lines() if line]
         assert lines[-1] == "data: [DONE]"
         return [json.loads(line[6:]) for line in lines[:-1]]
@@ -200,15 +226,20 @@ def test_completions_return_token_ids() -> None:
 def test_websocket_protocol_errors_keep_the_connection() -> None:
     c = client(FakeEngine(), max_frame_bytes=1000)
     with c.websocket_connect("/v1/ws") as ws:
-        bad = ["{nope", "[1]", json.dumps({"type": "generate"}), json.dumps({"type": "x", "request_id": "a"}),
-               json.dumps({"type": "cancel", "request_id": "ghost"}),
-               json.dumps({"type": "generate", "request_id": "a"}),
-               json.dumps({"type": "generate", "request_id": "a", "prompt": "p", "prompt_token_ids": [1]}),
-               json.dumps({"type": "generate", "request_id": "a", "prompt": "p", "params": {"n": 2}}),
-               json.dumps({"type": "generate", "request_id": "a", "prompt": "p", "params": {"bogus": 1}}),
-               json.dumps({"type": "generate", "request_id": "a", "prompt": "p", "params": []}),
-               json.dumps({"type": "generate", "request_id": "a", "prompt": "bad"}),
-               "x" * 1001]
+        bad = [
+            "{nope",
+            "[1]",
+            json.dumps({"type": "generate"}),
+            json.dumps({"type": "x", "request_id": "a"}),
+            json.dumps({"type": "cancel", "request_id": "ghost"}),
+            json.dumps({"type": "generate", "request_id": "a"}),
+            json.dumps({"type": "generate", "request_id": "a", "prompt": "p", "prompt_token_ids": [1]}),
+            json.dumps({"type": "generate", "request_id": "a", "prompt": "p", "params": {"n": 2}}),
+            json.dumps({"type": "generate", "request_id": "a", "prompt": "p", "params": {"bogus": 1}}),
+            json.dumps({"type": "generate", "request_id": "a", "prompt": "p", "params": []}),
+            json.dumps({"type": "generate", "request_id": "a", "prompt": "bad"}),
+            "x" * 1001,
+        ]
         for frame in bad:
             ws.send_text(frame)
             msg = ws.receive_json()
@@ -219,8 +250,12 @@ def test_websocket_protocol_errors_keep_the_connection() -> None:
         ws.send_json({"type": "generate", "request_id": "ok", "prompt": "p", "params": {"max_tokens": 3}})
         frames = [ws.receive_json() for _ in range(4)]
     assert [f["type"] for f in frames] == ["delta"] * 3 + ["done"]
-    assert frames[-1] == {"type": "done", "request_id": "ok", "finish_reason": "length",
-                          "usage": {"prompt_tokens": 2, "completion_tokens": 3}}
+    assert frames[-1] == {
+        "type": "done",
+        "request_id": "ok",
+        "finish_reason": "length",
+        "usage": {"prompt_tokens": 2, "completion_tokens": 3},
+    }
 
 
 def test_websocket_cancel_duplicate_and_limits() -> None:
@@ -230,11 +265,19 @@ def test_websocket_cancel_duplicate_and_limits() -> None:
     with c.websocket_connect("/v1/ws") as ws, c.websocket_connect("/v1/ws") as ws2:
         for rid in ("a", "b", "c"):
             ws.send_json({"type": "generate", "request_id": rid, "prompt": "p", "params": slow})
-        assert ws.receive_json() == {"type": "error", "request_id": "c", "code": 429,
-                                     "message": "this connection has 2 live requests (limit 2)"}
+        assert ws.receive_json() == {
+            "type": "error",
+            "request_id": "c",
+            "code": 429,
+            "message": "this connection has 2 live requests (limit 2)",
+        }
         ws.send_json({"type": "generate", "request_id": "a", "prompt": "p"})
-        assert (ws.receive_json() | {"message": ""}) == {"type": "error", "request_id": "a", "code": 400,
-                                                        "message": ""}
+        assert (ws.receive_json() | {"message": ""}) == {
+            "type": "error",
+            "request_id": "a",
+            "code": 400,
+            "message": "",
+        }
         ws2.send_json({"type": "generate", "request_id": "x", "prompt": "p", "params": slow})
         r = c.post("/v1/completions", json={"prompt": "p"})  # the 4th live request, over the global 3
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"

@@ -24,8 +24,14 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def cli(cwd: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "asyncengine", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=cwd, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncengine", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @dataclass
@@ -43,8 +49,22 @@ def background(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     port = free_port()
     term = start_server(chat_model, tmp, "--shutdown-timeout", "1", port=port, wait=False)
     kill = start_server(chat_model, tmp, wait=False)
-    gen = cli(tmp, "generate", "--model", str(chat_model), "--dtype", "float32", "--num-kv-blocks", "64",
-              "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "hello world")
+    gen = cli(
+        tmp,
+        "generate",
+        "--model",
+        str(chat_model),
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "64",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "hello world",
+    )
     yield Background(gen, term, port, kill)
     term.kill()
     kill.kill()
@@ -57,7 +77,9 @@ def wait_exit(server: ServerProcess, timeout_s: float) -> int:
         return server.proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         server.kill()
-        raise AssertionError(f"server still running after {timeout_s}s:\n{server.log.read_text()[-3000:]}") from None
+        raise AssertionError(
+            f"server still running after {timeout_s}s:\n{server.log.read_text()[-3000:]}"
+        ) from None
 
 
 @pytest.mark.slow
@@ -77,8 +99,16 @@ def test_health_while_loading_then_sigterm_drains_and_exits_clean(background: Ba
     workers = children(srv.proc.pid)
     assert workers
     with connect(srv.ws_url, open_timeout=20) as ws:
-        ws.send(json.dumps({"type": "generate", "request_id": "long", "prompt": "x",
-                            "params": {"max_tokens": 1000, "ignore_eos": True}}))
+        ws.send(
+            json.dumps(
+                {
+                    "type": "generate",
+                    "request_id": "long",
+                    "prompt": "x",
+                    "params": {"max_tokens": 1000, "ignore_eos": True},
+                }
+            )
+        )
         assert json.loads(ws.recv(30))["type"] == "delta"
         srv.proc.send_signal(signal.SIGTERM)
         # the request outlives the 1 s grace period, so the shutdown aborts it
@@ -105,9 +135,12 @@ def test_sigkill_leaves_no_worker(background: Background) -> None:
 
 @pytest.mark.slow
 def test_generate_streams_the_greedy_completion(background: Background, server: ServerProcess) -> None:
-    want = httpx.post(f"{server.base}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                      json={"prompt": "hello world", "max_tokens": 6, "temperature": 0, "ignore_eos": True},
-                      timeout=30).json()["choices"][0]["text"]
+    want = httpx.post(
+        f"{server.base}/v1/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"prompt": "hello world", "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+        timeout=30,
+    ).json()["choices"][0]["text"]
     out, err = background.generate.communicate(timeout=90)
     assert background.generate.returncode == 0, err
     assert out == want + "\n"
@@ -125,10 +158,21 @@ def test_startup_errors(tmp_path: Path, chat_model: Path) -> None:
         port = taken.getsockname()[1]
         cases = {  # run at once: each pays the interpreter's import time
             "model directory not found": ["--model", str(tmp_path / "missing"), "--port", "0"],
-            f"cannot listen on 127.0.0.1:{port}": ["--model", str(chat_model), "--port", str(port),
-                                                   "--device", "cpu"],
-            "visible": ["--model", str(chat_model), "--port", "0",
-                        *(["-tp", str(gpus + 1)] if gpus else ["--device", "cuda"])],
+            f"cannot listen on 127.0.0.1:{port}": [
+                "--model",
+                str(chat_model),
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+            ],
+            "visible": [
+                "--model",
+                str(chat_model),
+                "--port",
+                "0",
+                *(["-tp", str(gpus + 1)] if gpus else ["--device", "cuda"]),
+            ],
         }
         procs = {want: cli(tmp_path, "serve", *args) for want, args in cases.items()}
         results = {want: (p.communicate(timeout=90), p.returncode) for want, p in procs.items()}
@@ -160,9 +204,16 @@ def test_every_flag_says_what_it_does_and_its_default() -> None:
 def test_help_and_version_are_fast_and_torch_free(tmp_path: Path) -> None:
     import importlib.metadata
 
-    procs = {args: subprocess.Popen([sys.executable, "-X", "importtime", "-m", "asyncengine", *args], cwd=tmp_path,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for args in (("--help",), ("serve", "--help"), ("generate", "--help"), ("--version",))}
+    procs = {
+        args: subprocess.Popen(
+            [sys.executable, "-X", "importtime", "-m", "asyncengine", *args],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in (("--help",), ("serve", "--help"), ("generate", "--help"), ("--version",))
+    }
     for args, p in procs.items():
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, (args, err[-2000:])

@@ -29,14 +29,19 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.mark.slow
 async def test_complete_matches_openai_http(server: ServerProcess) -> None:
     http = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key=API_KEY, max_retries=0)
-    want = await http.completions.create(model="", prompt="hello there", max_tokens=10, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    want = await http.completions.create(
+        model="", prompt="hello there", max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     async with AsyncClient(server.ws_url, api_key=API_KEY) as client:
         got = await client.complete("hello there", max_tokens=10, temperature=0.0, ignore_eos=True)
         assert got.text == want.choices[0].text and len(got.token_ids) == 10
         assert got.finish_reason == "length" and got.usage == Usage(want.usage.prompt_tokens, 10)
-        deltas = [d async for d in client.generate([1, 2, 3], max_tokens=3, temperature=0.0, ignore_eos=True,
-                                                   logprobs=1)]
+        deltas = [
+            d
+            async for d in client.generate(
+                [1, 2, 3], max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=1
+            )
+        ]
     assert all(isinstance(d, Delta) for d in deltas) and deltas[-1].finish_reason == "length"
     assert deltas[-1].usage == Usage(3, 3) and all(d.logprobs for d in deltas[:-1] if d.token_ids)
 
@@ -44,8 +49,9 @@ async def test_complete_matches_openai_http(server: ServerProcess) -> None:
 @pytest.mark.slow
 async def test_concurrent_generates_and_cancel_by_leaving(server: ServerProcess) -> None:
     async with AsyncClient(server.ws_url, api_key=API_KEY) as client:
-        results = await asyncio.gather(*(client.complete(f"p{i}", max_tokens=5, ignore_eos=True)
-                                         for i in range(20)))
+        results = await asyncio.gather(
+            *(client.complete(f"p{i}", max_tokens=5, ignore_eos=True) for i in range(20))
+        )
         assert all(r.usage.completion_tokens == 5 for r in results)
         aborts = metric(server, ABORTS)
         stream = client.generate("long", max_tokens=1000, ignore_eos=True)
@@ -89,10 +95,20 @@ async def test_connection_lost_then_reconnect() -> None:
                 ws.transport.abort()  # a dropped TCP connection, no close frame
                 return
             if frame["prompt"] == "busy":
-                await ws.send(json.dumps({"type": "error", "request_id": rid, "code": 429, "message": "busy"}))
+                await ws.send(
+                    json.dumps({"type": "error", "request_id": rid, "code": 429, "message": "busy"})
+                )
                 continue
-            await ws.send(json.dumps({"type": "done", "request_id": rid, "finish_reason": "stop",
-                                      "usage": {"prompt_tokens": 1, "completion_tokens": 1}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "done",
+                        "request_id": rid,
+                        "finish_reason": "stop",
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+                    }
+                )
+            )
 
     async with serve(handler, "127.0.0.1", 0) as ws_server:
         port = ws_server.sockets[0].getsockname()[1]

@@ -70,40 +70,60 @@ def error(r: Any, status: int = 400) -> dict[str, Any]:
 
 
 # -- request fields ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("path, body, param, words", [
-    ("/v1/completions", {"prompt": "x", "max_token": 3}, "max_token", "did you mean max_tokens"),
-    ("/v1/completions", {"prompt": "x", "temprature": 0.5}, "temprature", "did you mean temperature"),
-    ("/v1/completions", {"prompt": "x", "bogus_param": 1}, "bogus_param", "unrecognized"),
-    ("/v1/chat/completions", {"messages": HI, "max_completion_token": 3}, "max_completion_token",
-     "did you mean max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "contnet": "x"}]}, "messages",
-     "messages.0.contnet: unrecognized"),
-    ("/v1/chat/completions", {"messages": HI, "stream": True, "stream_options": {"include_usag": True}},
-     "stream_options", "stream_options.include_usag"),
-])
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        ("/v1/completions", {"prompt": "x", "max_token": 3}, "max_token", "did you mean max_tokens"),
+        ("/v1/completions", {"prompt": "x", "temprature": 0.5}, "temprature", "did you mean temperature"),
+        ("/v1/completions", {"prompt": "x", "bogus_param": 1}, "bogus_param", "unrecognized"),
+        (
+            "/v1/chat/completions",
+            {"messages": HI, "max_completion_token": 3},
+            "max_completion_token",
+            "did you mean max_completion_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi", "contnet": "x"}]},
+            "messages",
+            "messages.0.contnet: unrecognized",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": HI, "stream": True, "stream_options": {"include_usag": True}},
+            "stream_options",
+            "stream_options.include_usag",
+        ),
+    ],
+)
 def test_unknown_fields_are_refused_by_name(path: str, body: dict[str, Any], param: str, words: str) -> None:
     err = error(client(FakeEngine()).post(path, json=body))
     assert err["param"] == param and words in err["message"], err
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "temperature": -1}, "temperature"),  # SamplingParams' own range check
-    ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "max_tokens": "4"}, "max_tokens"),  # a type error (pydantic's)
-    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
-    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
-    ({"prompt": "x", "model": "other"}, "model"),
-    ({"prompt": [[1]] * 300}, "prompt"),
-    ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
-    ("{not json", None),
-    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x", "temperature": -1}, "temperature"),  # SamplingParams' own range check
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "max_tokens": "4"}, "max_tokens"),  # a type error (pydantic's)
+        ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+        ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+        ({"prompt": "x", "model": "other"}, "model"),
+        ({"prompt": [[1]] * 300}, "prompt"),
+        ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+        ("{not json", None),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
 def test_errors_name_their_param(body: dict[str, Any] | str, param: str | None) -> None:
     content = body if isinstance(body, str) else json.dumps(body)
-    r = client(FakeEngine()).post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    r = client(FakeEngine()).post(
+        "/v1/completions", content=content, headers={"Content-Type": "application/json"}
+    )
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param, r.json()
 
@@ -118,11 +138,14 @@ def test_every_field_of_the_openai_sdk_is_known() -> None:
     assert _keys(completion_create_params.CompletionCreateParamsBase) <= set(CompletionRequest.model_fields)
     assert _keys(chat_create_params.CompletionCreateParamsBase) <= set(ChatCompletionRequest.model_fields)
     assert _keys(chat_completion_stream_options_param.ChatCompletionStreamOptionsParam) <= set(
-        StreamOptions.model_fields)
+        StreamOptions.model_fields
+    )
     for message in typing.get_args(chat_completion_message_param.ChatCompletionMessageParam):
         assert _keys(message) <= set(ChatMessage.model_fields), message
-    parts = [*typing.get_args(chat_completion_content_part_param.ChatCompletionContentPartParam),
-             chat_completion_content_part_refusal_param.ChatCompletionContentPartRefusalParam]
+    parts = [
+        *typing.get_args(chat_completion_content_part_param.ChatCompletionContentPartParam),
+        chat_completion_content_part_refusal_param.ChatCompletionContentPartRefusalParam,
+    ]
     for part in parts:
         assert _keys(part) <= set(ContentPart.model_fields), part
 
@@ -139,41 +162,98 @@ def test_the_sdk_with_every_harmless_field(tokenizer: Any) -> None:
         {"role": "developer", "content": "be brief", "name": "dev"},
         {"role": "system", "content": [{"type": "text", "text": "sys"}]},
         {"role": "user", "content": [{"type": "text", "text": "weather?"}], "name": "ann"},
-        {"role": "assistant", "content": None, "refusal": None, "function_call": None, "audio": None,
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "X"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "refusal": None,
+            "function_call": None,
+            "audio": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "X"}'}}
+            ],
+        },
         {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
         {"role": "assistant", "content": None, "refusal": "I cannot."},
         {"role": "user", "content": "ok"},
     ]
     chat = api.chat.completions.create(
-        model="fake-model", messages=history, max_completion_tokens=2, user="u1", metadata={"k": "v"}, store=False,
-        service_tier="auto", parallel_tool_calls=True, modalities=["text"], reasoning_effort="low", verbosity="low",
-        prediction={"type": "content", "content": "sunny"}, prompt_cache_key="k", safety_identifier="s",
-        seed=1, n=1, temperature=0.5, top_p=0.9, presence_penalty=0.1, frequency_penalty=0.1, stop=["\n"],
-        logprobs=False, tool_choice="none", response_format={"type": "text"}, logit_bias={},
-        extra_body={"top_k": 5, "min_p": 0.1, "ignore_eos": True, "use_beam_search": False, "priority": 0})
+        model="fake-model",
+        messages=history,
+        max_completion_tokens=2,
+        user="u1",
+        metadata={"k": "v"},
+        store=False,
+        service_tier="auto",
+        parallel_tool_calls=True,
+        modalities=["text"],
+        reasoning_effort="low",
+        verbosity="low",
+        prediction={"type": "content", "content": "sunny"},
+        prompt_cache_key="k",
+        safety_identifier="s",
+        seed=1,
+        n=1,
+        temperature=0.5,
+        top_p=0.9,
+        presence_penalty=0.1,
+        frequency_penalty=0.1,
+        stop=["\n"],
+        logprobs=False,
+        tool_choice="none",
+        response_format={"type": "text"},
+        logit_bias={},
+        extra_body={"top_k": 5, "min_p": 0.1, "ignore_eos": True, "use_beam_search": False, "priority": 0},
+    )
     assert chat.choices[0].message.content == "t0 t1 " and chat.usage.completion_tokens == 2
     prompt = tokenizer.decode(engine.prompts[-1])
     assert "assistant: I cannot." in prompt and "tool: sunny" in prompt  # a refusal is that message's content
-    stream = api.chat.completions.create(model="fake-model", messages=HI, max_tokens=2, stream=True,
-                                         stream_options={"include_usage": True, "include_obfuscation": False})
+    stream = api.chat.completions.create(
+        model="fake-model",
+        messages=HI,
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False},
+    )
     assert [c.usage.total_tokens for c in stream if c.usage] == [4]
-    done = api.completions.create(model="fake-model", prompt="x", max_tokens=2, best_of=1, echo=False, suffix=None,
-                                  logprobs=None, user="u", n=None, presence_penalty=None, stream=False)
+    done = api.completions.create(
+        model="fake-model",
+        prompt="x",
+        max_tokens=2,
+        best_of=1,
+        echo=False,
+        suffix=None,
+        logprobs=None,
+        user="u",
+        n=None,
+        presence_penalty=None,
+        stream=False,
+    )
     assert done.choices[0].text == "t0 t1 "
 
 
-@pytest.mark.parametrize("field, value", [
-    ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
-    ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("web_search_options", {}),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
-    ("response_format", {"type": "json_object"}), ("chat_template", "{{ messages }}"), ("echo", True),
-    ("continue_final_message", True),  # and add_generation_prompt (true by default)
-    ("chat_template_kwargs", {"tokenize": True}),  # apply_chat_template's own arguments are off limits
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("modalities", ["text", "audio"]),
+        ("functions", [{"name": "f"}]),
+        ("function_call", {"name": "f"}),
+        ("web_search_options", {}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "required"),
+        ("response_format", {"type": "json_object"}),
+        ("chat_template", "{{ messages }}"),
+        ("echo", True),
+        ("continue_final_message", True),  # and add_generation_prompt (true by default)
+        ("chat_template_kwargs", {"tokenize": True}),  # apply_chat_template's own arguments are off limits
+    ],
+)
 def test_unsupported_chat_fields_are_refused_unless_neutral(tokenizer: Any, field: str, value: Any) -> None:
-    err = error(client(FakeEngine(tokenizer=tokenizer)).post("/v1/chat/completions",
-                                                             json={"messages": HI, field: value}))
+    err = error(
+        client(FakeEngine(tokenizer=tokenizer)).post(
+            "/v1/chat/completions", json={"messages": HI, field: value}
+        )
+    )
     assert err["param"] == field, err
 
 
@@ -190,18 +270,30 @@ def test_template_variables(tokenizer: Any) -> None:
     """chat_template_kwargs and reasoning_effort reach the template; continue_final_message leaves the
     last message open; add_special_tokens reaches the encoding of the rendered text."""
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer.name_or_path)
-    tok.chat_template = ("{{ reasoning_effort }}|{{ enable_thinking }}|{% for m in messages %}{{ m['role'] }}: "
-                         "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    tok.chat_template = (
+        "{{ reasoning_effort }}|{{ enable_thinking }}|{% for m in messages %}{{ m['role'] }}: "
+        "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
     encoded: list[dict[str, Any]] = []
     encode = tok.encode
     tok.encode = lambda text, **kwargs: encoded.append(kwargs) or encode(text, **kwargs)
     engine = RecordingEngine(tokenizer=tok)
     c = client(engine)
-    body = {"messages": HI, "max_tokens": 1, "reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": True}}
+    body = {
+        "messages": HI,
+        "max_tokens": 1,
+        "reasoning_effort": "high",
+        "chat_template_kwargs": {"enable_thinking": True},
+    }
     assert c.post("/v1/chat/completions", json=body).status_code == 200
     assert tok.decode(engine.prompts[-1]) == "high|True|user: hi\nassistant: "
-    body = {"messages": [*HI, {"role": "assistant", "content": "Once upon"}], "max_tokens": 1,
-            "continue_final_message": True, "add_generation_prompt": False, "add_special_tokens": True}
+    body = {
+        "messages": [*HI, {"role": "assistant", "content": "Once upon"}],
+        "max_tokens": 1,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "add_special_tokens": True,
+    }
     assert c.post("/v1/chat/completions", json=body).status_code == 200
     assert tok.decode(engine.prompts[-1]) == "||user: hi\nassistant: Once upon"
     assert [e["add_special_tokens"] for e in encoded] == [False, True]
@@ -213,24 +305,37 @@ def test_tokenize_and_detokenize(tokenizer: Any) -> None:
     engine.max_prompt_chars = 1000
     c = client(engine)
     r = c.post("/tokenize", json={"prompt": "hello world"}).json()
-    assert r == {"tokens": tokenizer.encode("hello world"), "count": len(r["tokens"]), "max_model_len": 128,
-                 "token_strs": None}
-    plain = c.post("/tokenize", json={"prompt": "hello world", "add_special_tokens": False,
-                                      "return_token_strs": True}).json()
+    assert r == {
+        "tokens": tokenizer.encode("hello world"),
+        "count": len(r["tokens"]),
+        "max_model_len": 128,
+        "token_strs": None,
+    }
+    plain = c.post(
+        "/tokenize", json={"prompt": "hello world", "add_special_tokens": False, "return_token_strs": True}
+    ).json()
     assert plain["tokens"] == tokenizer.encode("hello world", add_special_tokens=False)
     assert plain["token_strs"] == tokenizer.convert_ids_to_tokens(plain["tokens"])
     chat = c.post("/tokenize", json={"messages": HI}).json()
     text = tokenizer.apply_chat_template(HI, add_generation_prompt=True, tokenize=False)
-    assert chat["tokens"] == tokenizer.encode(text, add_special_tokens=False) and chat["count"] == len(chat["tokens"])
+    assert chat["tokens"] == tokenizer.encode(text, add_special_tokens=False) and chat["count"] == len(
+        chat["tokens"]
+    )
     assert c.post("/detokenize", json={"tokens": plain["tokens"]}).json() == {"prompt": "hello world"}
     # refused: a prompt past the engine's character bound, ids outside the vocabulary, too many ids,
     # unknown fields, no API key
     assert error(c.post("/tokenize", json={"prompt": "x" * 1001}))["param"] == "prompt"
-    assert error(c.post("/tokenize", json={"messages": [{"role": "user", "content": "x" * 1001}]}))["param"] == "messages"
+    assert (
+        error(c.post("/tokenize", json={"messages": [{"role": "user", "content": "x" * 1001}]}))["param"]
+        == "messages"
+    )
     assert error(c.post("/detokenize", json={"tokens": [1, len(tokenizer)]}))["param"] == "tokens"
     assert error(c.post("/detokenize", json={"tokens": [-1]}))["param"] == "tokens"
     assert error(c.post("/detokenize", json={"tokens": [1] * 129}))["param"] == "tokens"
-    assert error(c.post("/tokenize", json={"prompt": "x", "add_generation_prompt": True}))["param"] == "add_generation_prompt"
+    assert (
+        error(c.post("/tokenize", json={"prompt": "x", "add_generation_prompt": True}))["param"]
+        == "add_generation_prompt"
+    )
     assert error(c.post("/tokenize", json={"prompt": "x"}, headers={"Authorization": ""}), 401)
     assert error(c.post("/detokenize", json={"tokens": [1]}, headers={"Authorization": "Bearer no"}), 401)
     assert "no tokenizer" in error(client(FakeEngine()).post("/tokenize", json={"prompt": "x"}))["message"]
@@ -240,7 +345,10 @@ def test_version_ping_and_model_card() -> None:
     c = client()
     assert c.get("/ping").status_code == 503 and c.get("/ping").json() == {"status": "loading"}
     c.app.state.server.attach(FakeEngine())
-    assert c.get("/version").json()["version"] and c.get("/version", headers={"Authorization": ""}).status_code == 200
+    assert (
+        c.get("/version").json()["version"]
+        and c.get("/version", headers={"Authorization": ""}).status_code == 200
+    )
     assert c.get("/ping").json() == {"status": "ok"}
     assert c.post("/ping", json={}).status_code == 200
     card = c.get("/v1/models/fake-model").json()
@@ -265,7 +373,9 @@ def test_docs_and_openapi_are_open_and_offline() -> None:
     responses = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
     assert {"200", "400", "401", "429", "503"} <= set(responses) and "422" not in responses
     # the guard's Host check still applies to them
-    guarded = TestClient(build_app(FakeEngine(), policy=OriginPolicy.for_bind("127.0.0.1")), base_url="http://evil.example")
+    guarded = TestClient(
+        build_app(FakeEngine(), policy=OriginPolicy.for_bind("127.0.0.1")), base_url="http://evil.example"
+    )
     assert guarded.get("/docs").status_code == 421 and guarded.get("/openapi.json").status_code == 421
 
 
@@ -280,5 +390,9 @@ def test_metrics_carry_the_model_name() -> None:
     assert 'asyncengine:request_success_total{finished_reason="stop",model_name="served"} 1.0' in samples
     assert 'asyncengine:kv_cache_free_blocks{model_name="served"} 0.0' in samples
     # in-process readers still ask the registry by name alone
-    assert engine.stats.registry.get_sample_value("asyncengine:request_success_total",
-                                                  {"finished_reason": "stop"}) == 1.0
+    assert (
+        engine.stats.registry.get_sample_value(
+            "asyncengine:request_success_total", {"finished_reason": "stop"}
+        )
+        == 1.0
+    )

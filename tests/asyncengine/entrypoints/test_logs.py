@@ -33,8 +33,9 @@ LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ER
 WORKER_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} worker\d+ ")
 
 
-def snap(t: float, prompt: float = 0, gen: float = 0, running: int = 0, waiting: int = 0,
-         usage: float = 0.0) -> StatsSnapshot:
+def snap(
+    t: float, prompt: float = 0, gen: float = 0, running: int = 0, waiting: int = 0, usage: float = 0.0
+) -> StatsSnapshot:
     return StatsSnapshot(t, prompt, gen, running, waiting, usage)
 
 
@@ -47,18 +48,29 @@ def test_uvicorn_loggers_use_the_engine_format() -> None:
     for name in ("uvicorn", "uvicorn.access"):  # uvicorn.error propagates to uvicorn
         assert cfg["loggers"][name]["handlers"] == ["stderr"] and cfg["loggers"][name]["level"] == "WARNING"
     # uvicorn's access record, formatted as every other line
-    record = logging.LogRecord("uvicorn.access", logging.INFO, "h11_impl.py", 1, '%s - "%s %s HTTP/%s" %d',
-                               ("127.0.0.1:5000", "GET", "/health", "1.1", 200), None)
+    record = logging.LogRecord(
+        "uvicorn.access",
+        logging.INFO,
+        "h11_impl.py",
+        1,
+        '%s - "%s %s HTTP/%s" %d',
+        ("127.0.0.1:5000", "GET", "/health", "1.1", 200),
+        None,
+    )
     line = logging.Formatter(LOG_FORMAT).format(record)
-    assert LINE.match(line) and line.endswith('INFO uvicorn.access: 127.0.0.1:5000 - "GET /health HTTP/1.1" 200')
+    assert LINE.match(line) and line.endswith(
+        'INFO uvicorn.access: 127.0.0.1:5000 - "GET /health HTTP/1.1" 200'
+    )
 
 
 def test_throughput_line() -> None:
     a = Reading(snap(10.0, prompt=100, gen=1000, running=0), 0, 0)
     b = Reading(snap(15.0, prompt=150, gen=1500, running=3, waiting=1, usage=0.125), 32, 64)
-    assert throughput_line(a, b) == ("Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 100.0 "
-                                     "tokens/s, Running: 3 seqs, Waiting: 1 seqs, KV cache usage: 12.5%, "
-                                     "Prefix cache hit rate: 50.0%")
+    assert throughput_line(a, b) == (
+        "Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 100.0 "
+        "tokens/s, Running: 3 seqs, Waiting: 1 seqs, KV cache usage: 12.5%, "
+        "Prefix cache hit rate: 50.0%"
+    )
     # no prompt in the interval: no hit rate; prefix caching off: never
     assert throughput_line(b, Reading(snap(20.0, 150, 1600, 1), 32, 64)).endswith("KV cache usage: 0.0%")
     assert "Prefix" not in throughput_line(Reading(snap(0.0)), Reading(snap(1.0, prompt=5)))
@@ -81,20 +93,35 @@ def test_snapshot_reads_the_counters_and_the_scheduler_gauges() -> None:
     assert s.time == pytest.approx(time.monotonic(), abs=5)
 
 
-def fake_engine(config: EngineConfig, blocks: int = 256, max_model_len: int = 1024,
-                hf: dict | None = None) -> SimpleNamespace:
-    return SimpleNamespace(config=config, hf_config=ModelConfig(hf or {"dtype": "float32"}),
-                           executor=SimpleNamespace(num_kv_blocks=blocks), max_model_len=max_model_len)
+def fake_engine(
+    config: EngineConfig, blocks: int = 256, max_model_len: int = 1024, hf: dict | None = None
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        config=config,
+        hf_config=ModelConfig(hf or {"dtype": "float32"}),
+        executor=SimpleNamespace(num_kv_blocks=blocks),
+        max_model_len=max_model_len,
+    )
 
 
 def test_startup_line() -> None:
     engine = fake_engine(EngineConfig(device="cpu"))
     assert startup_line(engine, "default-model", gpu_count=0) == (
-        f"engine ready: model default-model ({default_model_path()}), dtype float32, device cpu, parallel tp 1 x "
-        "pp 1 (1 node), KV cache 256 blocks x 16 = 4096 tokens (kv float32), max_model_len 1024 (4.00x "
-        "concurrency at that length), prefix caching on")
-    line = startup_line(fake_engine(EngineConfig(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e5m2",
-                                                 enable_prefix_caching=False), blocks=10), "m", gpu_count=1)
+        f"engine ready: model default-model ({default_model_path()}), dtype float32, device cpu, "
+        "parallel tp 1 x pp 1 (1 node), KV cache 256 blocks x 16 = 4096 tokens (kv float32), "
+        "max_model_len 1024 (4.00x "
+        "concurrency at that length), prefix caching on"
+    )
+    line = startup_line(
+        fake_engine(
+            EngineConfig(
+                device="cuda", dtype="bfloat16", kv_cache_dtype="fp8_e5m2", enable_prefix_caching=False
+            ),
+            blocks=10,
+        ),
+        "m",
+        gpu_count=1,
+    )
     assert "dtype bfloat16, device cuda" in line and "(kv fp8_e5m2)" in line and "prefix caching off" in line
 
 
@@ -104,20 +131,24 @@ def test_resolved_dtype_follows_the_workers_rule() -> None:
     assert resolved_dtype(auto, ModelConfig({"torch_dtype": "float16"}), "cpu") == "bfloat16"  # CPU: bf16
     assert resolved_dtype(auto, ModelConfig({"dtype": "bfloat16"}), "cpu") == "bfloat16"
     assert resolved_dtype(auto, ModelConfig({}), "cuda") == "float32"
-    assert resolved_dtype(EngineConfig(dtype="float16"), ModelConfig({"dtype": "float32"}), "cpu") == "float16"
+    assert (
+        resolved_dtype(EngineConfig(dtype="float16"), ModelConfig({"dtype": "float32"}), "cpu") == "float16"
+    )
 
 
 async def test_log_stats_logs_while_busy_only(caplog: pytest.LogCaptureFixture) -> None:
     readings = iter([snap(0.0), snap(1.0, 4, 10, running=2), snap(2.0, 4, 10), snap(3.0, 4, 10)])
-    engine = SimpleNamespace(scheduler=SimpleNamespace(block_manager=None),
-                             stats=SimpleNamespace(snapshot=lambda: next(readings)))
+    engine = SimpleNamespace(
+        scheduler=SimpleNamespace(block_manager=None), stats=SimpleNamespace(snapshot=lambda: next(readings))
+    )
     caplog.set_level(logging.INFO, "asyncengine.stats")
     task = asyncio.create_task(log_stats.log_stats(lambda: engine, interval_s=0.01))
     await asyncio.sleep(0.2)
     task.cancel()
     lines = [r.getMessage() for r in caplog.records if r.name == "asyncengine.stats"]
-    assert len(lines) == 1 and lines[0].startswith("Avg prompt throughput: 4.0 tokens/s, Avg generation "
-                                                   "throughput: 10.0 tokens/s, Running: 2 seqs")
+    assert len(lines) == 1 and lines[0].startswith(
+        "Avg prompt throughput: 4.0 tokens/s, Avg generation throughput: 10.0 tokens/s, Running: 2 seqs"
+    )
 
 
 # -- transformers' over-long-sequence warning -------------------------------------------------------
@@ -157,11 +188,22 @@ def test_the_too_long_warning_is_dropped() -> None:
 def test_server_logs_startup_and_throughput_in_one_format(tmp_path: Path) -> None:
     srv = start_server(Path(default_model_path()), tmp_path, "--log-stats-interval", "0.5", "--access-log")
     try:
-        r = httpx.post(f"{srv.base}/v1/completions", timeout=60, json={
-            "prompt": "import os\n\ndef read_file(path):", "max_tokens": 64, "temperature": 0, "ignore_eos": True})
+        r = httpx.post(
+            f"{srv.base}/v1/completions",
+            timeout=60,
+            json={
+                "prompt": "import os\n\ndef read_file(path):",
+                "max_tokens": 64,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 200
         deadline = time.monotonic() + 20
-        while "asyncengine.stats: Avg prompt throughput" not in srv.log.read_text() and time.monotonic() < deadline:
+        while (
+            "asyncengine.stats: Avg prompt throughput" not in srv.log.read_text()
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.2)
         time.sleep(1.5)  # idle from here on: no more throughput lines
         quiet_from = srv.log.read_text().count("Avg prompt throughput")
@@ -174,13 +216,21 @@ def test_server_logs_startup_and_throughput_in_one_format(tmp_path: Path) -> Non
     # one format, uvicorn's included (its own was "INFO:     Started server process")
     assert lines and all(LINE.match(line) or WORKER_LINE.match(line) for line in lines), log
     startup = next(line for line in lines if "engine ready:" in line)
-    assert re.search(r"INFO asyncengine\.serve: engine ready: model default-model \(.*default-model\), dtype "
-                     r"float32, device (cpu|cuda), parallel tp 1 x pp 1 \(1 node\), KV cache 256 blocks x 16 = 4096 "
-                     r"tokens \(kv float32\), max_model_len 1024 ", startup), startup
+    assert re.search(
+        r"INFO asyncengine\.serve: engine ready: model default-model \(.*default-model\), dtype "
+        r"float32, device (cpu|cuda), parallel tp 1 x pp 1 \(1 node\), KV cache 256 blocks x 16 = 4096 "
+        r"tokens \(kv float32\), max_model_len 1024 ",
+        startup,
+    ), startup
     throughput = next(line for line in lines if "Avg prompt throughput" in line)
-    assert re.search(r"INFO asyncengine\.stats: Avg prompt throughput: [\d.]+ tokens/s, Avg generation "
-                     r"throughput: [\d.]+ tokens/s, Running: \d+ seqs, Waiting: \d+ seqs, KV cache usage: "
-                     r"[\d.]+%", throughput), throughput
-    assert any(re.search(r'INFO uvicorn\.access: 127\.0\.0\.1:\d+ - "POST /v1/completions HTTP/1\.1" 200', line)
-               for line in lines), log
+    assert re.search(
+        r"INFO asyncengine\.stats: Avg prompt throughput: [\d.]+ tokens/s, Avg generation "
+        r"throughput: [\d.]+ tokens/s, Running: \d+ seqs, Waiting: \d+ seqs, KV cache usage: "
+        r"[\d.]+%",
+        throughput,
+    ), throughput
+    assert any(
+        re.search(r'INFO uvicorn\.access: 127\.0\.0\.1:\d+ - "POST /v1/completions HTTP/1\.1" 200', line)
+        for line in lines
+    ), log
     assert any("INFO uvicorn.error: Started server process" in line for line in lines), log

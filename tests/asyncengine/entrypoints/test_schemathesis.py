@@ -32,16 +32,21 @@ EXAMPLES = 30  # per operation
 
 app = build_app(None, api_key=KEY, limits=ServerLimits(max_body_bytes=200_000))
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)
-CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
-          checks.response_schema_conformance]
+CHECKS = [
+    checks.not_a_server_error,
+    checks.status_code_conformance,
+    checks.content_type_conformance,
+    checks.response_schema_conformance,
+]
 
 
 class ShortEngine(FakeEngine):
     """FakeEngine, at most 3 tokens per request whatever max_tokens asks (generated bodies ask for 2**31)."""
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str):
-        short = msgspec.structs.replace(params, max_tokens=min(params.max_tokens or 3, 3),
-                                        min_tokens=min(params.min_tokens, 3))
+        short = msgspec.structs.replace(
+            params, max_tokens=min(params.max_tokens or 3, 3), min_tokens=min(params.min_tokens, 3)
+        )
         async for out in super().generate(prompt, short, request_id):
             yield out
 
@@ -54,7 +59,12 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 @schema.parametrize()
-@settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=EXAMPLES,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
 def test_api_conforms_to_its_schema(case: schemathesis.Case) -> None:
     case.call_and_validate(headers={"Authorization": f"Bearer {KEY}"}, checks=CHECKS)

@@ -42,22 +42,29 @@ def test_openai_sdk_greedy_matches_in_process_llm(server: ServerProcess, llm_fac
     extra = {"ignore_eos": True}
     for prompt in PROMPTS:
         want = llm.generate(prompt, greedy)[0].outputs[0].text
-        full = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body=extra)
+        full = client.completions.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body=extra
+        )
         assert full.object == "text_completion" and full.id.startswith("cmpl-") and full.model == model
         assert full.choices[0].text == want and full.choices[0].finish_reason == "length"
         assert full.usage.completion_tokens == 8
-        stream = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True,
-                                           extra_body=extra)
+        stream = client.completions.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True, extra_body=extra
+        )
         assert "".join(c.choices[0].text for c in stream if c.choices) == want
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
     text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     want = llm.generate(llm.tokenizer.encode(text, add_special_tokens=False), greedy)[0].outputs[0].text
-    chat = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=8, temperature=0,
-                                          extra_body=extra)
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_completion_tokens=8, temperature=0, extra_body=extra
+    )
     assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
     assert chat.choices[0].message.content == want and chat.choices[0].message.role == "assistant"
-    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
-                                                 stream=True, extra_body=extra))
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=messages, max_tokens=8, temperature=0, stream=True, extra_body=extra
+        )
+    )
     assert {c.object for c in chunks} == {"chat.completion.chunk"}
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
@@ -65,9 +72,18 @@ def test_openai_sdk_greedy_matches_in_process_llm(server: ServerProcess, llm_fac
 
 def test_openai_sdk_n_usage_logprobs_seed(server: ServerProcess) -> None:
     client, model = sdk(server), server.stdout_lines[-1].split()[2]
-    chunks = list(client.completions.create(model=model, prompt="hello", max_tokens=5, n=2, stream=True,
-                                            logprobs=2, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt="hello",
+            max_tokens=5,
+            n=2,
+            stream=True,
+            logprobs=2,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
     for index in (0, 1):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
@@ -77,16 +93,33 @@ def test_openai_sdk_n_usage_logprobs_seed(server: ServerProcess) -> None:
         for c in mine:  # top-2 keyed by token text (texts like '\ufffd' may collide), offsets grow
             assert len(c.logprobs.top_logprobs) == len(c.logprobs.text_offset) == len(c.logprobs.tokens)
             assert all(1 <= len(top) <= 3 for top in c.logprobs.top_logprobs)
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          logprobs=True, top_logprobs=3, seed=7, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
     assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
-    again = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                           seed=7, extra_body={"ignore_eos": True})
+    again = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
     assert again.choices[0].message.content == chat.choices[0].message.content  # same seed, same sample
-    stopped = client.completions.create(model=model, prompt=[1, 2, 3], max_tokens=30, temperature=0,
-                                        extra_body={"ignore_eos": True, "min_tokens": 2})
+    stopped = client.completions.create(
+        model=model,
+        prompt=[1, 2, 3],
+        max_tokens=30,
+        temperature=0,
+        extra_body={"ignore_eos": True, "min_tokens": 2},
+    )
     assert stopped.usage.prompt_tokens == 3 and stopped.usage.completion_tokens == 30
 
 
@@ -112,12 +145,20 @@ def test_openai_sdk_typed_errors_then_success(server: ServerProcess) -> None:
 
 async def test_websocket_protocol(server: ServerProcess) -> None:
     async with ws_connect(server, max_size=2**22) as ws:
-        await ws.send(json.dumps({"type": "generate", "request_id": "r1", "prompt_token_ids": [5, 6, 7],
-                                  "params": {"max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                                             "logprobs": 1}}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "generate",
+                    "request_id": "r1",
+                    "prompt_token_ids": [5, 6, 7],
+                    "params": {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1},
+                }
+            )
+        )
         await ws.send("not json")
-        await ws.send(json.dumps({"type": "generate", "request_id": "r2", "prompt": "x",
-                                  "params": {"temperature": -1}}))
+        await ws.send(
+            json.dumps({"type": "generate", "request_id": "r2", "prompt": "x", "params": {"temperature": -1}})
+        )
         await ws.send(json.dumps({"type": "generate", "request_id": "r3", "prompt_token_ids": [10**9]}))
         await ws.send(json.dumps({"type": "cancel", "request_id": "nobody"}))
         await ws.send(json.dumps({"type": "generate", "request_id": "big", "prompt": "x" * 70_000}))
@@ -127,10 +168,19 @@ async def test_websocket_protocol(server: ServerProcess) -> None:
             frames.append(frame)
             done = frame if frame["type"] == "done" else done
         errors = sorted((f["request_id"] or "", f["code"]) for f in frames if f["type"] == "error")
-        assert errors == [("", 400), ("", 413), ("nobody", 400), ("r2", 400), ("r3", 400)]  # oversize: unparsed
+        assert errors == [
+            ("", 400),
+            ("", 413),
+            ("nobody", 400),
+            ("r2", 400),
+            ("r3", 400),
+        ]  # oversize: unparsed
         deltas = [f for f in frames if f["type"] == "delta"]
         assert sum(len(d["token_ids"]) for d in deltas) == 6 and all("logprobs" in d for d in deltas)
-        assert done["usage"] == {"prompt_tokens": 3, "completion_tokens": 6} and done["finish_reason"] == "length"
+        assert (
+            done["usage"] == {"prompt_tokens": 3, "completion_tokens": 6}
+            and done["finish_reason"] == "length"
+        )
         await ws.send("x" * 200_000)  # over twice the frame limit: the transport closes with 1009
         with pytest.raises(ConnectionClosed) as closed:
             await asyncio.wait_for(ws.recv(), 30)
@@ -142,8 +192,16 @@ async def test_websocket_protocol(server: ServerProcess) -> None:
 
 
 async def _generate(ws, request_id: str, max_tokens: int = 4) -> None:
-    await ws.send(json.dumps({"type": "generate", "request_id": request_id, "prompt": f"n{request_id}",
-                              "params": {"max_tokens": max_tokens, "ignore_eos": True}}))
+    await ws.send(
+        json.dumps(
+            {
+                "type": "generate",
+                "request_id": request_id,
+                "prompt": f"n{request_id}",
+                "params": {"max_tokens": max_tokens, "ignore_eos": True},
+            }
+        )
+    )
 
 
 async def test_100_streams_on_one_connection(server: ServerProcess) -> None:
@@ -178,7 +236,9 @@ async def test_cancel_and_disconnect_free_kv_blocks(server: ServerProcess) -> No
     long = {"max_tokens": 1000, "ignore_eos": True}  # far longer than any of the waits below
     aborts = metric(server, ABORTS)
     async with ws_connect(server) as ws:
-        await ws.send(json.dumps({"type": "generate", "request_id": "c", "prompt": "cancel me", "params": long}))
+        await ws.send(
+            json.dumps({"type": "generate", "request_id": "c", "prompt": "cancel me", "params": long})
+        )
         for _ in range(3):
             assert json.loads(await ws.recv())["type"] == "delta"
         assert metric(server, "kv_cache_free_blocks") < NUM_KV_BLOCKS
@@ -187,11 +247,15 @@ async def test_cancel_and_disconnect_free_kv_blocks(server: ServerProcess) -> No
             pass
         assert frame["type"] == "done" and frame["finish_reason"] == "abort"
         aborts = await asyncio.to_thread(wait_aborted, server, aborts)
-        await ws.send(json.dumps({"type": "generate", "request_id": "gone", "prompt": "close", "params": long}))
+        await ws.send(
+            json.dumps({"type": "generate", "request_id": "gone", "prompt": "close", "params": long})
+        )
         await ws.recv()
     aborts = await asyncio.to_thread(wait_aborted, server, aborts)  # closing the socket aborted "gone"
     async with httpx.AsyncClient(base_url=server.base, headers=AUTH, timeout=30) as http:
-        async with http.stream("POST", "/v1/completions", json={"prompt": "sse", "stream": True, **long}) as r:
+        async with http.stream(
+            "POST", "/v1/completions", json={"prompt": "sse", "stream": True, **long}
+        ) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data:"):
                     break  # leaving the block drops the connection mid-stream

@@ -29,21 +29,44 @@ torch.set_num_threads(1)
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 256}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
 
 # (id, arch, overrides): each family, plus the shapes where sharding and indexing go wrong
 VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
     *[(arch, arch, {}) for arch in ARCHITECTURES],
     ("llama-mha-hd32", "llama", {"num_attention_heads": 2, "num_key_value_heads": 2}),
-    ("mistral-gqa4-hd80", "mistral", {"hidden_size": 320, "num_attention_heads": 4, "num_key_value_heads": 1}),
-    ("llama-tied-3layers-oddvocab", "llama", {"tie_word_embeddings": True, "num_hidden_layers": 3, "vocab_size": 511}),
-    ("llama-llama3rope-bias", "llama", {"rope_scaling": LLAMA3_ROPE, "attention_bias": True, "mlp_bias": True}),
-    ("qwen2-yarn", "qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                              "original_max_position_embeddings": 256}}),
+    (
+        "mistral-gqa4-hd80",
+        "mistral",
+        {"hidden_size": 320, "num_attention_heads": 4, "num_key_value_heads": 1},
+    ),
+    (
+        "llama-tied-3layers-oddvocab",
+        "llama",
+        {"tie_word_embeddings": True, "num_hidden_layers": 3, "vocab_size": 511},
+    ),
+    (
+        "llama-llama3rope-bias",
+        "llama",
+        {"rope_scaling": LLAMA3_ROPE, "attention_bias": True, "mlp_bias": True},
+    ),
+    (
+        "qwen2-yarn",
+        "qwen2",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
+    ),
     ("qwen3-hd32-bias", "qwen3", {"head_dim": 32, "attention_bias": True, "vocab_size": 509}),
-    ("gpt2-3layers-oddvocab", "gpt2", {"num_hidden_layers": 3, "vocab_size": 509,
-                                       "scale_attn_by_inverse_layer_idx": True}),
+    (
+        "gpt2-3layers-oddvocab",
+        "gpt2",
+        {"num_hidden_layers": 3, "vocab_size": 509, "scale_attn_by_inverse_layer_idx": True},
+    ),
 ]
 CPU = torch.device("cpu")
 
@@ -71,7 +94,9 @@ def make_meta(
     else:
         slot_list = []
         for q_len, s_len, table in zip(query_lens, seq_lens, tables, strict=True):
-            slot_list += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(s_len - q_len, s_len)]
+            slot_list += [
+                table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(s_len - q_len, s_len)
+            ]
         slots = torch.tensor(slot_list, dtype=torch.int64)
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -121,7 +146,13 @@ def bind_caches(model: Any, num_blocks: int = 24) -> None:
             layer.k_cache, layer.v_cache = torch.zeros(shape), torch.zeros(shape)
 
 
-STEP_QUERY_LENS = [[5, 9, 3], [1, 1, 1], [1, 1, 1], [1, 1, 1], [3, 1, 2]]  # prefill, 3 decodes, chunk + decode
+STEP_QUERY_LENS = [
+    [5, 9, 3],
+    [1, 1, 1],
+    [1, 1, 1],
+    [1, 1, 1],
+    [3, 1, 2],
+]  # prefill, 3 decodes, chunk + decode
 
 
 def paged_steps(model: Any, vocab: int, seed: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -155,7 +186,9 @@ def check_paged_against_hf(hf: Any, seqs: list[torch.Tensor], outputs: list[torc
 
 
 @pytest.mark.parametrize(("name", "arch", "overrides"), VARIANTS, ids=[v[0] for v in VARIANTS])
-def test_prefill_and_paged_decode_match_hf(model_dir: Any, name: str, arch: str, overrides: dict[str, Any]) -> None:
+def test_prefill_and_paged_decode_match_hf(
+    model_dir: Any, name: str, arch: str, overrides: dict[str, Any]
+) -> None:
     path = model_dir(name, arch, **overrides)
     hf = load_hf(path)
     model = load_model(str(path), ParallelContext(), torch.float32, CPU)
@@ -222,21 +255,32 @@ def _free_port() -> int:
 
 def _tp_worker(rank: int, port: int, cases: list[tuple[str, str]]) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     try:
         ctx = ParallelContext(tp_rank=rank, tp_size=2, tp_group=dist.group.WORLD)
         for path, expected_file in cases:
             model = load_model(path, ctx, torch.float32, CPU)
             expected = safetensors.torch.load_file(expected_file)
             vocab = model.config.vocab_size
-            torch.testing.assert_close(packed_prefill(model, prompts_for(vocab)), expected["prefill"], atol=ATOL,
-                                       rtol=0, msg=lambda m, p=path: f"{p} prefill: {m}")
+            torch.testing.assert_close(
+                packed_prefill(model, prompts_for(vocab)),
+                expected["prefill"],
+                atol=ATOL,
+                rtol=0,
+                msg=lambda m, p=path: f"{p} prefill: {m}",
+            )
             bind_caches(model)
             _, outputs = paged_steps(model, vocab)
             for i, out in enumerate(outputs):
-                torch.testing.assert_close(out, expected[f"step{i}"], atol=ATOL, rtol=0,
-                                           msg=lambda m, p=path, i=i: f"{p} step {i}: {m}")
+                torch.testing.assert_close(
+                    out,
+                    expected[f"step{i}"],
+                    atol=ATOL,
+                    rtol=0,
+                    msg=lambda m, p=path, i=i: f"{p} step {i}: {m}",
+                )
         # both ranks done before either closes its gloo pairs: a rank that tore down while its peer's
         # last all-reduce was still reading aborted once in CI ("terminate called without an active
         # exception" from gloo's thread)
@@ -261,7 +305,9 @@ def test_tensor_parallel_2_matches_single_rank(model_dir: Any, tmp_path: Path) -
         safetensors.torch.save_file(tensors, str(expected_file))
         cases.append((str(path), str(expected_file)))
 
-    context = mp.start_processes(_tp_worker, args=(_free_port(), cases), nprocs=2, join=False, start_method="spawn")
+    context = mp.start_processes(
+        _tp_worker, args=(_free_port(), cases), nprocs=2, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + 150
     try:
         while not context.join(timeout=1):  # raises if a rank failed
@@ -276,15 +322,23 @@ def test_tensor_parallel_2_matches_single_rank(model_dir: Any, tmp_path: Path) -
 
 # ---- errors and config helpers ----
 
+
 def test_unknown_architecture_raises(model_dir: Any, tmp_path: Path) -> None:
     path = build_tiny_model("llama", tmp_path / "m")
     config = json.loads((path / "config.json").read_text())
     config["architectures"] = ["FooForCausalLM"]
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="unknown architecture.*FooForCausalLM.*supported: .*LlamaForCausalLM"):
+    with pytest.raises(
+        ModelLoadError, match="unknown architecture.*FooForCausalLM.*supported: .*LlamaForCausalLM"
+    ):
         load_model(str(path), ParallelContext(), torch.float32, CPU)
-    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                   "Qwen3ForCausalLM", "GPT2LMHeadModel"}
+    assert set(MODEL_REGISTRY) == {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "GPT2LMHeadModel",
+    }
     assert resolve_model_class(hf_config("qwen3")) is MODEL_REGISTRY["Qwen3ForCausalLM"]
 
 
@@ -323,8 +377,10 @@ def test_unsupported_configs_raise() -> None:
     with pytest.raises(ModelLoadError, match="cross"):
         GPT2LMHeadModel(hf_config("gpt2", add_cross_attention=True), ParallelContext())
     with pytest.raises(ModelLoadError, match="divisible"):
-        resolve_model_class(hf_config("llama"))(hf_config("llama", num_key_value_heads=3, num_attention_heads=3,
-                                                          hidden_size=48), ParallelContext(tp_size=2))
+        resolve_model_class(hf_config("llama"))(
+            hf_config("llama", num_key_value_heads=3, num_attention_heads=3, hidden_size=48),
+            ParallelContext(tp_size=2),
+        )
 
 
 def test_sliding_window_per_layer_as_hf_applies_it() -> None:
@@ -333,7 +389,9 @@ def test_sliding_window_per_layer_as_hf_applies_it() -> None:
     assert sliding_window_of(hf_config("mistral", sliding_window=None), 0) is None
     # Qwen2: only with use_sliding_window, and only from max_window_layers on ("sliding_attention" layers)
     assert sliding_window_of(hf_config("qwen2", sliding_window=64), 1) is None
-    qwen2 = hf_config("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1, num_hidden_layers=3)
+    qwen2 = hf_config(
+        "qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1, num_hidden_layers=3
+    )
     assert [sliding_window_of(qwen2, i) for i in range(3)] == [None, 64, 64]
     assert sliding_window_of(hf_config("llama"), 0) is None
 
@@ -348,13 +406,21 @@ def test_model_max_len_and_dtype() -> None:
     assert model_dtype(hf_config("llama", dtype="bfloat16")) == torch.bfloat16
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "linear", "factor": 4.0},
-    LLAMA3_ROPE,
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
-    {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
-     "long_factor": [2.0 + i for i in range(8)], "original_max_position_embeddings": 256},
-], ids=lambda r: r["rope_type"])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        LLAMA3_ROPE,
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + i / 8 for i in range(8)],
+            "long_factor": [2.0 + i for i in range(8)],
+            "original_max_position_embeddings": 256,
+        },
+    ],
+    ids=lambda r: r["rope_type"],
+)
 def test_rotary_tables_match_hf(rope: dict[str, Any]) -> None:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
