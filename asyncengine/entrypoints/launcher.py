@@ -206,7 +206,8 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
             logger.warning("workers restarted: serving again")
         for listener in getattr(server, "servers", []):
             listener.close()  # stop accepting; connections already open get 503 while draining
-        if not await _first(state.drain(opts.shutdown_timeout), force.wait()) or state.live:
+        await _first(state.drain(opts.shutdown_timeout), force.wait())
+        if state.live:  # the grace period ran out, or a second signal cut it short
             logger.warning("aborting %d live requests", state.live)
         return 0
     finally:
