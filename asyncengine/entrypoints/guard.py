@@ -1,5 +1,10 @@
 """GuardMiddleware: what every request passes before a route: the Host and Origin checks (OriginPolicy),
-the API key on /v1, JSON bodies for POST, and the body-size bound."""
+the API key on /v1, JSON bodies for POST, and the body-size bound.
+
+The API key comes as `Authorization: Bearer KEY`; a websocket handshake may carry it instead as the
+subprotocol `asyncengine.bearer.KEY` beside a plain `asyncengine` one (a browser cannot set headers on a
+WebSocket; Kubernetes does the same), and the server answers with `asyncengine`. Never in a query string,
+which ends up in logs and history."""
 
 from __future__ import annotations
 
@@ -18,6 +23,21 @@ def api_key_ok(headers: list[tuple[bytes, bytes]], api_key: str) -> bool:
     scheme, _, token = value.partition(b" ")
     # constant-time, so a wrong key leaks nothing about the right one through timing
     return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode())
+
+
+WS_PROTOCOL = "asyncengine"  # what the server answers a handshake that offers it
+BEARER_PROTOCOL = b"asyncengine.bearer."  # + the key: a subprotocol, since browsers cannot set headers
+
+
+def subprotocol_key_ok(headers: list[tuple[bytes, bytes]], api_key: str) -> bool:
+    """Whether a websocket handshake offers the subprotocol `asyncengine.bearer.<api_key>`."""
+    offered = [p.strip() for k, v in headers if k == b"sec-websocket-protocol" for p in v.split(b",")]
+    key = api_key.encode()
+    # constant-time per candidate, as api_key_ok; every candidate is compared (no early exit)
+    matches = [
+        hmac.compare_digest(p[len(BEARER_PROTOCOL) :], key) for p in offered if p.startswith(BEARER_PROTOCOL)
+    ]
+    return any(matches)
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -109,7 +129,7 @@ class GuardMiddleware:
             return
         # a CORS preflight carries no credentials; CORSMiddleware answers it (405 without allowed origins)
         protected = scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS"
-        if protected and self.state.api_key and not api_key_ok(scope["headers"], self.state.api_key):
+        if protected and self.state.api_key and not self._key_ok(scope, self.state.api_key):
             await self._refuse(scope, receive, send, "invalid or missing API key", 401)
             return
         if scope["type"] != "http":
@@ -139,6 +159,12 @@ class GuardMiddleware:
             return message
 
         await self.app(scope, bounded_receive, send)
+
+    @staticmethod
+    def _key_ok(scope: Scope, api_key: str) -> bool:
+        if api_key_ok(scope["headers"], api_key):
+            return True
+        return scope["type"] == "websocket" and subprotocol_key_ok(scope["headers"], api_key)
 
     @staticmethod
     async def _reject_websocket(

@@ -1,4 +1,5 @@
-"""The ASGI app: OpenAI-compatible HTTP, the /v1/ws websocket, /health and /metrics, /docs and /openapi.json.
+"""The ASGI app: OpenAI-compatible HTTP, the /v1/ws websocket, /health and /metrics, /docs and /openapi.json,
+and the browser playground at / (static files from entrypoints/static/, no API key needed to load it).
 
 `build_app(engine=None, ...)` returns an app that can serve before the engine exists: /health answers
 503 ("loading") until `app.state.server.attach(engine)`. The CLI (`asyncengine serve`) owns the engine's
@@ -10,6 +11,7 @@ from __future__ import annotations
 import html
 import importlib.metadata
 import logging
+from pathlib import Path
 from typing import Any
 
 import pydantic
@@ -17,7 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -39,6 +42,8 @@ from asyncengine.errors import AsyncEngineError
 from asyncengine.stats import exposition
 
 logger = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"  # the playground: plain files, no build step
 
 
 def error_response(exc: BaseException) -> JSONResponse:
@@ -131,6 +136,13 @@ def build_app(
         engine = state.engine
         data = exposition(engine.stats.registry, state.model_name) if engine is not None else b""
         return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> Response:
+        """The browser playground (it asks for the API key itself, where the server has one)."""
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> Response:

@@ -1,13 +1,23 @@
 """The /v1/ws handler: one websocket multiplexes many generate requests as JSON text frames.
 
-client -> server  {"type": "generate", "request_id": "r1", "prompt": "..." | "prompt_token_ids": [...],
-                   "params": {SamplingParams fields}}
+client -> server  {"type": "generate", "request_id": "r1", "prompt": "..." | "prompt_token_ids": [...]
+                   | "messages": [{"role": "user", "content": "..."}, ...], "params": {SamplingParams fields}}
                   {"type": "cancel", "request_id": "r1"}
 server -> client  {"type": "delta", "request_id": "r1", "text": "...", "token_ids": [...], "logprobs"?: [...]}
                   {"type": "done", "request_id": "r1", "finish_reason": "stop" | "length" | "abort",
                    "usage": {"prompt_tokens": N, "completion_tokens": M}}
                   {"type": "error", "request_id": "r1" | null, "code": 400 | 413 | 429 | 500 | 503,
                    "message": "..."}
+
+A generate frame carries exactly one of `prompt`, `prompt_token_ids` and `messages`. `messages` is a chat,
+a non-empty list of objects with exactly the string fields `role` and `content` (and the frame may add
+`"add_generation_prompt": false`; true by default); it is rendered through the model's chat template as
+/v1/chat/completions renders its messages (render_chat, in a thread). An invalid one gets a 400 error
+frame naming the field (`param`).
+
+Authentication: an `Authorization: Bearer KEY` header, or (for browsers, which cannot set headers on a
+WebSocket) the subprotocols `asyncengine` and `asyncengine.bearer.KEY` offered together; the server then
+answers with the `asyncengine` subprotocol (guard.py checks the key before the handshake is accepted).
 
 Each request runs in its own task and puts frames on the connection's outbox; one writer task sends
 them, so frames never interleave. A request id stays taken until its `done` or `error` frame.
@@ -40,6 +50,9 @@ from asyncengine.entrypoints.api_errors import (
     param_of,
     status_of,
 )
+from asyncengine.entrypoints.guard import WS_PROTOCOL
+from asyncengine.entrypoints.openai_api import render_chat
+from asyncengine.entrypoints.openai_protocol import ChatMessage, ChatTemplateFields
 from asyncengine.entrypoints.server_state import ServerState
 from asyncengine.entrypoints.streams import CLOSE_GRACE_S, NOT_READING, clamp, stall_check_interval
 from asyncengine.outputs import CompletionOutput
@@ -61,7 +74,9 @@ class LiveRequest:
 
 
 async def websocket_endpoint(websocket: WebSocket) -> None:
-    await websocket.accept()
+    # a browser that offered subprotocols fails the connection unless the server picks one of them
+    offered = websocket.scope.get("subprotocols") or []
+    await websocket.accept(subprotocol=WS_PROTOCOL if WS_PROTOCOL in offered else None)
     await Connection(websocket, websocket.app.state.server).run()
 
 
@@ -255,10 +270,17 @@ class Connection:
 
     # -- one request ------------------------------------------------------------------------------
     async def _stream(
-        self, request_id: str, live: LiveRequest, engine: AsyncEngine, prompt: Prompt, params: SamplingParams
+        self,
+        request_id: str,
+        live: LiveRequest,
+        engine: AsyncEngine,
+        prompt: Prompt | ChatTemplateFields,
+        params: SamplingParams,
     ) -> None:
         finish_reason = "abort"
         try:
+            if isinstance(prompt, ChatTemplateFields):  # the template can be slow: off the event loop
+                prompt = await asyncio.to_thread(render_chat, engine, prompt)
             if not live.cancelled:
                 async for out in engine.generate(prompt, params, live.engine_id):
                     c = out.outputs[0]
@@ -280,10 +302,14 @@ class Connection:
         )
 
 
-def parse_prompt(frame: dict[str, Any]) -> Prompt:
-    prompt, ids = frame.get("prompt"), frame.get("prompt_token_ids")
-    if (prompt is None) == (ids is None):
-        raise ApiError("send exactly one of prompt and prompt_token_ids")
+def parse_prompt(frame: dict[str, Any]) -> Prompt | ChatTemplateFields:
+    prompt, ids, messages = frame.get("prompt"), frame.get("prompt_token_ids"), frame.get("messages")
+    if sum(x is not None for x in (prompt, ids, messages)) != 1:
+        raise ApiError("send exactly one of prompt, prompt_token_ids and messages")
+    if messages is not None:
+        return parse_messages(messages, frame.get("add_generation_prompt", True))
+    if "add_generation_prompt" in frame:
+        raise ApiError("add_generation_prompt goes with messages", param="add_generation_prompt")
     if prompt is not None:
         if not isinstance(prompt, str):
             raise ApiError("prompt must be a string")
@@ -291,6 +317,27 @@ def parse_prompt(frame: dict[str, Any]) -> Prompt:
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ApiError("prompt_token_ids must be a list of integers")
     return ids
+
+
+def parse_messages(messages: Any, add_generation_prompt: Any) -> ChatTemplateFields:
+    """A chat, checked strictly: a non-empty list of {"role": str, "content": str}, nothing else."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError('messages must be a non-empty list of {"role", "content"} objects', param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise ApiError(
+                f"messages[{i}] must be an object with exactly the fields role and content", param="messages"
+            )
+        if not isinstance(m["role"], str) or not m["role"]:
+            raise ApiError(f"messages[{i}].role must be a non-empty string", param="messages")
+        if not isinstance(m["content"], str):
+            raise ApiError(f"messages[{i}].content must be a string", param="messages")
+    if not isinstance(add_generation_prompt, bool):
+        raise ApiError("add_generation_prompt must be true or false", param="add_generation_prompt")
+    return ChatTemplateFields(
+        messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+        add_generation_prompt=add_generation_prompt,
+    )
 
 
 def delta_frame(request_id: str, c: CompletionOutput) -> dict[str, Any]:

@@ -177,3 +177,103 @@ def test_a_served_process_refuses_rebinding_and_cross_origin(server) -> None:
 def test_a_bodyless_post_needs_no_content_type() -> None:
     # vLLM's POST /ping carries no body; only a body must be JSON
     assert client(OriginPolicy()).post("/ping").status_code == 200
+
+
+GEN = {"type": "generate", "request_id": "a", "prompt": "hi", "params": {"max_tokens": 2}}
+
+
+def test_the_api_key_as_a_websocket_subprotocol() -> None:
+    # a browser cannot set Authorization on a websocket: it offers the key as `asyncengine.bearer.KEY`
+    c = client(OriginPolicy.for_bind("127.0.0.1"), api_key=KEY)
+    # NOTE: a fresh headers dict per connection: the test client writes the subprotocols into the one given
+    same = {**LOCAL, "Origin": "http://127.0.0.1:8000"}
+    with c.websocket_connect(
+        "/v1/ws", headers={**same}, subprotocols=["asyncengine", f"asyncengine.bearer.{KEY}"]
+    ) as ws:
+        assert ws.accepted_subprotocol == "asyncengine"  # never the one with the key
+        ws.send_json(GEN)
+        assert ws.receive_json()["type"] == "delta"
+    for offered in (
+        ["asyncengine", "asyncengine.bearer.wrong"],
+        ["asyncengine", f"asyncengine.bearer.{KEY}x"],
+        ["asyncengine", f"asyncengine.bearer{KEY}"],
+        ["asyncengine", KEY],
+        ["asyncengine"],
+        [],
+    ):
+        with pytest.raises(WebSocketDenialResponse) as denied:
+            with c.websocket_connect("/v1/ws", headers={**same}, subprotocols=offered):
+                pass
+        assert denied.value.status_code == 401, offered
+    # the subprotocol is for websockets only, and never a way around the Origin check
+    r = c.get("/v1/models", headers={**LOCAL, "Sec-WebSocket-Protocol": f"asyncengine.bearer.{KEY}"})
+    assert r.status_code == 401
+    with pytest.raises(WebSocketDenialResponse) as denied:
+        with c.websocket_connect(
+            "/v1/ws",
+            headers={**LOCAL, "Origin": "http://evil.example"},
+            subprotocols=["asyncengine", f"asyncengine.bearer.{KEY}"],
+        ):
+            pass
+    assert denied.value.status_code == 403
+
+
+def test_the_playground_page_needs_no_key_and_keeps_the_host_check() -> None:
+    c = client(OriginPolicy.for_bind("127.0.0.1"), api_key=KEY)
+    page = c.get("/", headers=LOCAL)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/static/app.js" in page.text
+    for name, kind in (("app.js", "javascript"), ("style.css", "text/css")):
+        r = c.get(f"/static/{name}", headers=LOCAL)
+        assert r.status_code == 200 and kind in r.headers["content-type"]
+    assert c.get("/", headers={"Host": "rebind.example"}).status_code == 421
+    assert c.get("/static/../guard.py", headers=LOCAL).status_code == 404
+
+
+class ChatTokenizer:
+    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, **kwargs) -> str:  # noqa: ANN001
+        if any(m["role"] == "bogus" for m in messages):
+            raise ValueError("unknown role")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        self.rendered = text + ("<assistant>" if add_generation_prompt else "")
+        return self.rendered
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode())
+
+
+def test_websocket_chat_frames() -> None:
+    engine = FakeEngine(tokenizer=ChatTokenizer())
+    c = TestClient(build_app(engine, policy=OriginPolicy()))
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    with c.websocket_connect("/v1/ws") as ws:
+        ws.send_json({"type": "generate", "request_id": "c", "messages": chat, "params": {"max_tokens": 2}})
+        frames = [ws.receive_json() for _ in range(3)]
+        assert [f["type"] for f in frames] == ["delta", "delta", "done"]
+        assert engine.tokenizer.rendered == "<system>be brief<user>hi<assistant>"
+        ws.send_json(
+            {"type": "generate", "request_id": "d", "messages": chat, "add_generation_prompt": False}
+            | {"params": {"max_tokens": 1}}
+        )
+        assert [ws.receive_json()["type"] for _ in range(2)] == ["delta", "done"]
+        assert engine.tokenizer.rendered == "<system>be brief<user>hi"
+        bad = [
+            ({"messages": []}, "non-empty list"),
+            ({"messages": "hi"}, "non-empty list"),
+            ({"messages": ["hi"]}, "messages[0]"),
+            ({"messages": [{"role": "user"}]}, "messages[0]"),
+            ({"messages": [{"role": "user", "content": "x", "name": "n"}]}, "exactly the fields"),
+            ({"messages": [{"role": "user", "content": ["x"]}]}, "content must be a string"),
+            ({"messages": [{"role": 1, "content": "x"}]}, "role must be"),
+            ({"messages": chat, "add_generation_prompt": "yes"}, "add_generation_prompt"),
+            ({"messages": chat, "prompt": "p"}, "exactly one of"),
+            ({"prompt": "p", "add_generation_prompt": True}, "goes with messages"),
+            ({"messages": [{"role": "bogus", "content": "x"}]}, "chat template"),
+        ]
+        for fields, expect in bad:
+            ws.send_json({"type": "generate", "request_id": "e", **fields})
+            msg = ws.receive_json()
+            assert msg["type"] == "error" and msg["code"] == 400 and expect in msg["message"], (fields, msg)
+            assert msg["request_id"] == "e"
