@@ -47,7 +47,7 @@ def background(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     """The slow processes, started at once so their start-ups overlap: a `generate` run and two servers."""
     tmp = tmp_path_factory.mktemp("cli")
     port = free_port()
-    term = start_server(chat_model, tmp, "--shutdown-timeout", "1", port=port, wait=False)
+    term = start_server(chat_model, tmp, "--shutdown-timeout", "0.2", port=port, wait=False)
     kill = start_server(chat_model, tmp, wait=False)
     gen = cli(
         tmp,
@@ -99,22 +99,28 @@ def test_health_while_loading_then_sigterm_drains_and_exits_clean(background: Ba
     workers = children(srv.proc.pid)
     assert workers
     with connect(srv.ws_url, open_timeout=20) as ws:
-        ws.send(
-            json.dumps(
-                {
-                    "type": "generate",
-                    "request_id": "long",
-                    "prompt": "x",
-                    "params": {"max_tokens": 1000, "ignore_eos": True},
-                }
+        # four requests of ~1000 tokens (the KV cache holds them all) take seconds even on a fast machine,
+        # far past the 0.2 s grace: the shutdown must abort every one (a 1 s grace and one request was
+        # once outrun by a fast CI machine, which finished it with 'length')
+        for i in range(4):
+            ws.send(
+                json.dumps(
+                    {
+                        "type": "generate",
+                        "request_id": f"long-{i}",
+                        "prompt": "x",
+                        "params": {"max_tokens": 1000, "ignore_eos": True},
+                    }
+                )
             )
-        )
         assert json.loads(ws.recv(30))["type"] == "delta"
         srv.proc.send_signal(signal.SIGTERM)
-        # the request outlives the 1 s grace period, so the shutdown aborts it
-        while (frame := json.loads(ws.recv(30)))["type"] == "delta":
-            pass
-        assert frame["type"] == "done" and frame["finish_reason"] == "abort"
+        finished: dict[str, str] = {}
+        while len(finished) < 4:
+            frame = json.loads(ws.recv(30))
+            if frame["type"] == "done":
+                finished[frame["request_id"]] = frame["finish_reason"]
+        assert finished == {f"long-{i}": "abort" for i in range(4)}
     assert wait_exit(srv, 30) == 0
     assert not [pid for pid in workers if alive(pid)]
 
