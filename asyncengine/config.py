@@ -13,6 +13,7 @@ from asyncengine.errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "fp8_e5m2")
+EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 def default_model_path() -> str:
@@ -142,6 +143,25 @@ class EngineConfig:
             "nodes"
         },
     )
+    distributed_executor_backend: str = field(
+        default="mp",
+        metadata={
+            "help": "mp: workers are subprocesses of the engine (other nodes' started by `asyncengine "
+            "worker`) | ray: one Ray actor per rank hosts it, placed by a placement group "
+            "(pip install 'asyncengine[ray]')"
+        },
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata={
+            "help": "with ray: the cluster to join (default: RAY_ADDRESS; without it a local Ray instance "
+            "is started, and stopped at shutdown)"
+        },
+    )
+    ray_placement_timeout: float = field(
+        default=60.0,
+        metadata={"help": "with ray: seconds to wait for the placement group before a ConfigError"},
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -173,6 +193,19 @@ class EngineConfig:
         if self.nnodes < 1 or self.world_size % self.nnodes:
             raise ConfigError(
                 f"nnodes must be >= 1 and divide the world size {self.world_size}, got {self.nnodes}"
+            )
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(
+                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
+            raise ConfigError(
+                "nnodes is for hand-started nodes (the mp backend); Ray places the ranks itself"
+            )
+        if not 0 < self.ray_placement_timeout <= 86400:
+            raise ConfigError(
+                f"ray_placement_timeout must be in (0, 86400] seconds, got {self.ray_placement_timeout}"
             )
         if self.nnodes > 1 and (self.head_port is None or self.key_file is None):
             raise ConfigError("nnodes > 1 needs head_port and key_file")

@@ -5,6 +5,7 @@ event loop are all that is left to measure.
     python bench/control_plane.py --quick          # batch 1 and 64, P=1, few steps
     python bench/control_plane.py                  # batch 1, 64, 256; P=1 and P=2
     python bench/control_plane.py --py-spy         # plus an extra run at the largest batch under py-spy
+    python bench/control_plane.py --backend mp ray --pp 1 --batches 256   # the Ray executor beside mp
 
 The "null" model is a seeded random Llama with hidden 8, two layers, one head, vocab 256 (bench/common.py,
 built into bench/out/models/null): its forward costs microseconds, so a step's time is the control
@@ -177,7 +178,7 @@ def top_frames(raw: Path, n: int = 12) -> list[tuple[float, str]]:
 
 
 async def run_one(
-    model: Path, pp: int, batch: int, steps: int, args: argparse.Namespace, profile: bool
+    model: Path, pp: int, batch: int, steps: int, args: argparse.Namespace, profile: bool, backend: str = "mp"
 ) -> dict[str, Any]:
     from asyncengine import AsyncEngine, EngineConfig, SamplingParams
 
@@ -193,8 +194,11 @@ async def run_one(
         enable_prefix_caching=False,
         max_model_len=PROMPT_LEN + steps + 64,
         step_timeout=30.0,
+        distributed_executor_backend=backend,
     )
-    engine = await AsyncEngine.start(config)
+    started = time.perf_counter()
+    engine = await AsyncEngine.start(config)  # with ray: its own local Ray instance, started here
+    start_s = time.perf_counter() - started
     profs: list[tuple[str, subprocess.Popen, Path]] = []
     try:
         warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -247,6 +251,8 @@ async def run_one(
     intervals, gaps, execs, nbytes = intervals[skip:], gaps[skip:], execs[skip:], nbytes[skip:]
     med = median(intervals)
     res = {
+        "backend": backend,
+        "start_s": start_s,
         "pp": pp,
         "batch": batch,
         "steps": steps,
@@ -284,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         "--pp", type=int, nargs="+", default=[1, 2], help="pipeline sizes (P=2 shares the 2 cores)"
     )
     p.add_argument("--steps", type=int, default=300, help="decode steps per run")
+    p.add_argument(
+        "--backend", nargs="+", default=["mp"], choices=["mp", "ray"], help="executor backends, side by side"
+    )
     p.add_argument("--codec-reps", type=int, default=2000)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
     p.add_argument("--py-spy", action="store_true", help="profile engine + workers at the largest batch, P=1")
@@ -304,20 +313,19 @@ def main(argv: list[str] | None = None) -> int:
         runner = asyncio.run
 
     codec = {b: codec_timings(b, args.codec_reps) for b in args.batches}
-    runs = [(pp, b) for pp in args.pp for b in args.batches if b >= pp]
+    runs = [(be, pp, b) for be in args.backend for pp in args.pp for b in args.batches if b >= pp]
     results = []
     if args.py_spy:
-        runs.append(
-            (1, max(args.batches))
-        )  # an extra, profiled run: py-spy perturbs it, so it is not in the table
+        # an extra, profiled run: py-spy perturbs it, so it is not in the table
+        runs.append((args.backend[0], 1, max(args.batches)))
     profiled: dict[str, Any] | None = None
-    for k, (pp, b) in enumerate(tqdm(runs, desc="control plane", unit="run")):
+    for k, (be, pp, b) in enumerate(tqdm(runs, desc="control plane", unit="run")):
         profile = args.py_spy and k == len(runs) - 1
         try:
-            r = runner(run_one(model, pp, b, args.steps, args, profile))
+            r = runner(run_one(model, pp, b, args.steps, args, profile, be))
         except Exception as e:
-            print(f"\nP={pp} B={b} failed: {type(e).__name__}: {e}", file=sys.stderr)
-            r = {"pp": pp, "batch": b, "error": f"{type(e).__name__}: {e}"}
+            print(f"\n{be} P={pp} B={b} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            r = {"backend": be, "pp": pp, "batch": b, "error": f"{type(e).__name__}: {e}"}
         if profile:
             profiled = r
         else:
@@ -328,15 +336,27 @@ def main(argv: list[str] | None = None) -> int:
         f"\nnull model (hidden 8, 2 layers, vocab 256), {args.steps} decode steps, 1 torch thread per worker"
     )
     print(f"start: {load_line(info0)}\nend:   {load_line(info1)}\n")
-    b1 = next((r for r in results if r.get("batch") == 1 and r.get("pp") == 1 and "error" not in r), None)
     rows = []
     for r in results:
+        b1 = next(
+            (
+                x
+                for x in results
+                if x.get("batch") == 1
+                and x.get("pp") == 1
+                and x["backend"] == r["backend"]
+                and "error" not in x
+            ),
+            None,
+        )
+        label = f"{r['backend']} P={r['pp']} B={r['batch']}"
         if "error" in r:
-            rows.append([f"P={r['pp']} B={r['batch']}", r["error"][:40]] + [None] * 11)
+            rows.append([label, r["error"][:40]] + [None] * 12)
             continue
         rows.append(
             [
-                f"P={r['pp']} B={r['batch']}",
+                label,
+                r["start_s"],
                 r["steps_per_s"],
                 r["tok_per_s"],
                 r["tok_per_s"] / b1["tok_per_s"] if b1 else None,
@@ -355,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         table(
             [
                 "config",
+                "engine start s",
                 "steps/s",
                 "tok/s",
                 "tok/s ÷ P=1 B=1",
@@ -424,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     png = bar_plot(
         args.out.with_suffix(".png"),
         f"null-model step time breakdown (load {info0['loadavg'][0]:.1f})",
-        [f"P={r['pp']} B={r['batch']}" for r in ok],
+        [f"{r['backend']} P={r['pp']} B={r['batch']}" for r in ok],
         {
             "worker execute µs": [r["execute_us_p50"] for r in ok],
             "idle gap µs": [r["idle_gap_us_p50"] for r in ok],

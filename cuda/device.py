@@ -43,12 +43,17 @@ def cpu_threads_per_worker(world_size: int) -> int:
 
 
 def bind_device(
-    device: str, local_rank: int, world_size: int, num_threads: int | None = None
+    device: str,
+    local_rank: int,
+    world_size: int,
+    num_threads: int | None = None,
+    device_id: int | None = None,
 ) -> torch.device:
     """Binds this worker process to its device and returns it.
 
-    device: "auto", "cpu" or "cuda". On CUDA, local_rank selects the GPU (all GPUs stay visible). On CPU,
-    torch uses num_threads threads, or cores // world_size (at least 1) when num_threads is None.
+    device: "auto", "cpu" or "cuda". On CUDA, GPU `device_id` when given (a Ray actor's physical GPU,
+    ray_worker_host.cuda_index), else `local_rank`; all GPUs stay visible either way. On CPU, torch
+    uses num_threads threads, or cores // world_size (at least 1) when num_threads is None.
     """
     if local_rank < 0 or world_size < 1 or local_rank >= world_size:
         raise ValueError(
@@ -56,14 +61,15 @@ def bind_device(
         )
     kind = resolve_device(device)
     if kind == "cuda":
+        index = local_rank if device_id is None else device_id
         count = torch.cuda.device_count()
-        if local_rank >= count:
+        if not 0 <= index < count:
             raise DeviceError(
-                f"local_rank {local_rank} needs GPU {local_rank}, but only {count} CUDA device(s) are "
+                f"rank on this node needs GPU {index}, but only {count} CUDA device(s) are "
                 f"visible; lower the parallel size or expose more GPUs"
             )
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     if num_threads is not None and num_threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {num_threads}")
     torch.set_num_threads(num_threads if num_threads is not None else cpu_threads_per_worker(world_size))

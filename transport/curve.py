@@ -33,25 +33,33 @@ def generate_keys() -> CurveKeys:
     return CurveKeys(server_public, server_secret, client_public, client_secret)
 
 
-def write_key_file(keys: CurveKeys, path: str | Path) -> Path:
-    """The client's view: server public key + the client key pair (never the server's secret).
-
-    Created with mode 0600 (a pre-existing file is truncated and re-chmodded: it holds a secret)."""
-    path = Path(path)
+def key_file_text(keys: CurveKeys) -> str:
+    """The client's view as JSON: server public key + the client key pair (never the server's secret)."""
     if keys.client_public is None or keys.client_secret is None:
         raise KeyFileError("a key file needs the client key pair")
+    return json.dumps(
+        {
+            "server_public": keys.server_public.decode(),
+            "client_public": keys.client_public.decode(),
+            "client_secret": keys.client_secret.decode(),
+        }
+    )
+
+
+def write_key_text(text: str, path: str | Path) -> Path:
+    """Writes a key file's text with mode 0600 (a pre-existing file is truncated and re-chmodded: it
+    holds a secret)."""
+    path = Path(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(
-            {
-                "server_public": keys.server_public.decode(),
-                "client_public": keys.client_public.decode(),
-                "client_secret": keys.client_secret.decode(),
-            },
-            f,
-        )
+        f.write(text)
     return path
+
+
+def write_key_file(keys: CurveKeys, path: str | Path) -> Path:
+    """The key file a worker on another node loads (`key_file_text`), mode 0600."""
+    return write_key_text(key_file_text(keys), path)
 
 
 def load_client_keys(path: str | Path) -> CurveKeys:

@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import subprocess
 import sys
 import time
 
 from asyncengine.transport.channels import Endpoints
 from asyncengine.transport.curve import KeyFileError, load_client_keys
-from asyncengine.transport.topology import worker_env
+from asyncengine.worker_procs import WorkerProcs
 
 logger = logging.getLogger("asyncengine.worker_cli")
 
@@ -79,63 +78,25 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
-def spawn_workers(
-    endpoints: Endpoints, key_file: str, node_rank: int, nproc: int
-) -> tuple[list[subprocess.Popen], int]:
-    """Starts ranks node_rank * nproc .. + nproc - 1; returns them and the death pipe's write end."""
-    read_fd, write_fd = os.pipe()
-    os.set_inheritable(read_fd, True)
-    procs = []
-    for local in range(nproc):
-        rank = node_rank * nproc + local
-        env = worker_env(os.environ, RANK=rank, LOCAL_RANK=local)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        cmd = [
-            sys.executable,
-            "-m",
-            "asyncengine.worker.main",
-            "--rank",
-            str(rank),
-            "--local-rank",
-            str(local),
-            "--broadcast",
-            endpoints.broadcast,
-            "--results",
-            endpoints.results,
-            "--curve-keys",
-            key_file,
-            "--parent-fd",
-            str(read_fd),
-        ]
-        procs.append(subprocess.Popen(cmd, pass_fds=(read_fd,), env=env, stdin=subprocess.DEVNULL))
-    os.close(read_fd)
-    return procs, write_fd
+def spawn_workers(endpoints: Endpoints, key_file: str, node_rank: int, nproc: int) -> WorkerProcs:
+    """Starts ranks node_rank * nproc .. + nproc - 1 under one death pipe."""
+    workers = WorkerProcs()
+    ranks = [(node_rank * nproc + local, local) for local in range(nproc)]
+    workers.start(ranks, endpoints, extra=["--curve-keys", key_file])
+    return workers
 
 
-def supervise(procs: list[subprocess.Popen]) -> int:
+def supervise(workers: WorkerProcs) -> int:
     """Waits until every worker has exited; the first non-zero exit stops the rest."""
     while True:
-        codes = [p.poll() for p in procs]
+        codes = [p.poll() for p in workers.procs]
         failed = [c for c in codes if c not in (None, 0)]
         if failed or all(c is not None for c in codes):
             if failed:
                 logger.error("a worker exited with code %d: stopping this node's other workers", failed[0])
-            stop(procs)
+            workers.terminate()
             return failed[0] if failed else 0
         time.sleep(SUPERVISE_POLL_S)
-
-
-def stop(procs: list[subprocess.Popen], grace_s: float = 3.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -157,7 +118,7 @@ def run_worker(args: argparse.Namespace) -> int:
         logger.error("--nproc must be >= 1, got %d", nproc)
         return 2
     endpoints = Endpoints.tcp(host, port, keys)
-    procs, death_pipe = spawn_workers(endpoints, os.path.abspath(args.key_file), args.node_rank, nproc)
+    workers = spawn_workers(endpoints, os.path.abspath(args.key_file), args.node_rank, nproc)
     logger.info(
         "node %d: ranks %d..%d connecting to %s",
         args.node_rank,
@@ -166,12 +127,12 @@ def run_worker(args: argparse.Namespace) -> int:
         endpoints.broadcast,
     )
     try:
-        return supervise(procs)
+        return supervise(workers)
     except KeyboardInterrupt:
         return 130
     finally:
-        stop(procs)
-        os.close(death_pipe)
+        workers.terminate()
+        workers.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,7 +78,12 @@ def preimport(rank: int, with_transformers: bool = False) -> threading.Thread:
 
 
 def serve(
-    rank: int, endpoints: Endpoints, local_rank: int | None = None, preimport_transformers: bool = False
+    rank: int,
+    endpoints: Endpoints,
+    local_rank: int | None = None,
+    preimport_transformers: bool = False,
+    device_id: int | None = None,
+    num_threads: int | None = None,
 ) -> int:
     mark(f"worker{rank}", "started")
     imports = preimport(rank, preimport_transformers)
@@ -117,7 +122,7 @@ def serve(
                 imports.join()
                 from asyncengine.worker.worker import Worker
 
-                worker = Worker(rank, msg, local_rank)
+                worker = Worker(rank, msg, local_rank, device_id, num_threads)
                 mark(f"worker{rank}", "model-loaded")
                 tx.send(WorkerReady(rank, worker.num_kv_blocks_that_fit(), os.getpid(), worker.vocab_size))
                 mark(f"worker{rank}", "kv-sized")
@@ -151,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-fd", type=int, default=None)
     parser.add_argument("--curve-keys", default=None, help="key file written by the head (TCP only)")
     parser.add_argument(
+        "--device-id", type=int, default=None, help="the GPU to bind (default: the local rank)"
+    )
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads on CPU (default: the engine's setting)"
+    )
+    parser.add_argument(
         "--preimport-transformers",
         action="store_true",
         help="import transformers' config machinery in the background (the model's config needs it)",
@@ -166,7 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         watch_parent(args.parent_fd)
     curve = load_client_keys(args.curve_keys) if args.curve_keys else None
     endpoints = Endpoints(args.broadcast, args.results, curve)
-    return serve(args.rank, endpoints, args.local_rank, args.preimport_transformers)
+    return serve(
+        args.rank,
+        endpoints,
+        args.local_rank,
+        args.preimport_transformers,
+        args.device_id,
+        args.num_threads,
+    )
 
 
 if __name__ == "__main__":

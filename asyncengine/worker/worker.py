@@ -40,12 +40,21 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 class Worker:
-    def __init__(self, rank: int, init: InitWorker, local_rank: int | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        init: InitWorker,
+        local_rank: int | None = None,
+        device_id: int | None = None,
+        num_threads: int | None = None,
+    ) -> None:
         self.config = config = msgspec.json.decode(init.config_json, type=EngineConfig)
         self.topology = Topology(rank, config.pipeline_parallel_size, config.tensor_parallel_size)
         local = rank % config.nproc_per_node if local_rank is None else local_rank
-        # a CPU worker shares this node's cores with the node's other workers only
-        self.device = bind_device(config.device, local, config.nproc_per_node, config.num_threads)
+        # a CPU worker shares this node's cores with the node's other workers only (or uses the cores its
+        # Ray bundle reserved: num_threads)
+        threads = config.num_threads if num_threads is None else num_threads
+        self.device = bind_device(config.device, local, config.nproc_per_node, threads, device_id)
         groups = init_process_groups(self.topology, init.dist_init_method, dist_backend(self.device))
         hf_config = get_model_config(config.model)
         num_layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer

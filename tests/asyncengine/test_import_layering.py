@@ -31,7 +31,7 @@ ENGINE_SIDE = (
     "asyncengine.model_config",
     "asyncengine.tokenizer",
 )
-FORBIDDEN = ("torch", "transformers")
+FORBIDDEN = ("torch", "transformers", "ray")  # ray: only the ray backend imports it
 FORBIDDEN_PREFIXES = (
     "asyncengine.models",
     "asyncengine.layers",
