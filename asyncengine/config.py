@@ -151,6 +151,14 @@ class EngineConfig:
             "(pip install 'asyncengine[ray]')"
         },
     )
+    data_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "independent engine replicas (each with its own workers and KV cache, each PP x TP) "
+            "behind one server; requests go to the least loaded, or where their prefix was served",
+            "short": "-dp",
+        },
+    )
     ray_address: str | None = field(
         default=None,
         metadata={
@@ -173,6 +181,7 @@ class EngineConfig:
         for name in (
             "pipeline_parallel_size",
             "tensor_parallel_size",
+            "data_parallel_size",
             "block_size",
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -207,6 +216,8 @@ class EngineConfig:
             raise ConfigError(
                 f"ray_placement_timeout must be in (0, 86400] seconds, got {self.ray_placement_timeout}"
             )
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise ConfigError("data_parallel_size > 1 needs the ray backend to span nodes, not nnodes")
         if self.nnodes > 1 and (self.head_port is None or self.key_file is None):
             raise ConfigError("nnodes > 1 needs head_port and key_file")
         if self.head_port is not None and not 0 < self.head_port < 65535:

@@ -115,6 +115,18 @@ class AsyncEngine:
         await self.shutdown()
 
     @property
+    def num_kv_blocks(self) -> int:
+        return self.executor.num_kv_blocks
+
+    def idle_worker_exit(self) -> str | None:
+        """Why a worker this engine started has exited, if one has (the server checks it while idle)."""
+        for rank, proc in enumerate(self.executor.procs):
+            code = proc.poll()
+            if code is not None:
+                return f"worker {rank} (pid {proc.pid}) exited with code {code}"
+        return None
+
+    @property
     def is_running(self) -> bool:
         return self.dead is None and not self.closing and self._loop_task is not None
 

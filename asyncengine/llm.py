@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from asyncengine.config import EngineConfig
 from asyncengine.engine import AsyncEngine, Prompt
+from asyncengine.errors import ConfigError
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
@@ -24,6 +25,11 @@ class LLM:
         if model is not None:
             kwargs["model"] = model
         self.config = EngineConfig(**kwargs)
+        if self.config.data_parallel_size > 1:
+            raise ConfigError(
+                "LLM runs one engine; data-parallel replicas are served by `asyncengine serve -dp N` or "
+                "asyncengine.dp_engine.DataParallelEngine"
+            )
         # the engine lives on its own event loop thread, so LLM works inside async code too
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncengine-llm", daemon=True)

@@ -48,11 +48,34 @@ def _uses_gpus(config: EngineConfig) -> bool:
     return config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
 
 
+def ensure_ray(config: EngineConfig) -> bool:
+    """Connects this process to Ray (ray_address, RAY_ADDRESS, else a local instance sized for
+    data_parallel_size replicas); True if this call did, so the caller releases it with release_ray."""
+    if ray.is_initialized():
+        return False
+    address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        per_rank = max(1, config.num_threads or 1)
+        ranks = config.world_size * config.data_parallel_size
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, ranks * per_rank), include_dashboard=False, log_to_driver=False
+        )
+    else:
+        ray.init(address=address, log_to_driver=False)
+    logger.info("ray: %s, resources %s", address or "local instance", ray.cluster_resources())
+    return True
+
+
+def release_ray() -> None:
+    """Disconnects (and stops a local instance this process started)."""
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 class RayLauncher:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.started_ray = False  # a local instance of ours: close() stops it
-        self.connected_ray = False  # our ray.init (to a cluster or our instance): close() disconnects
+        self.connected_ray = False  # our ray.init (a cluster, or our own instance): close() releases it
         self.groups: list[PlacementGroup] = []
         self.hosts: list = []  # WorkerHost actor handles, by rank
         self.waits: list = []  # each host's outstanding wait() ObjectRef, by rank
@@ -63,17 +86,7 @@ class RayLauncher:
 
     # -- placement --------------------------------------------------------------------------------
     def _init_ray(self) -> None:
-        if ray.is_initialized():
-            return
-        address = self.config.ray_address or os.environ.get("RAY_ADDRESS") or None
-        if address is None:  # our own instance, sized so a CPU run of the whole world fits
-            cpus = max(os.cpu_count() or 1, self.config.world_size * self.cpus_per_rank)
-            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-            self.started_ray = True
-        else:
-            ray.init(address=address, log_to_driver=False)
-        self.connected_ray = True
-        logger.info("ray: %s, resources %s", address or "local instance", ray.cluster_resources())
+        self.connected_ray = ensure_ray(self.config)
 
     def place(self) -> Placement:
         self._init_ray()
@@ -214,9 +227,9 @@ class RayLauncher:
             self.kill()
             self.hosts = []
         self._remove_groups()
-        if self.connected_ray and ray.is_initialized():
-            ray.shutdown()  # stops the instance when it is ours, else only disconnects from the cluster
-        self.connected_ray = self.started_ray = False
+        if self.connected_ray:
+            release_ray()  # stops the instance when it is ours, else only disconnects from the cluster
+        self.connected_ray = False
 
 
 def _pid_alive(pid: int) -> bool:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from asyncengine.config import EngineConfig
+from asyncengine.dp_engine import DataParallelEngine, start_engine
 from asyncengine.engine import AsyncEngine
 from asyncengine.entrypoints.guard import OriginPolicy
 from asyncengine.entrypoints.http_protocol import ConnectionLimits, uvicorn_options
@@ -167,9 +168,9 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     serving = asyncio.create_task(server.serve(sockets=[sock]), name="uvicorn")
-    engine: AsyncEngine | None = None
+    engine: AsyncEngine | DataParallelEngine | None = None
     stats_task: asyncio.Task | None = None
-    loading = asyncio.create_task(AsyncEngine.start(config), name="engine-start")
+    loading = asyncio.create_task(start_engine(config), name="engine-start")
     try:
         if not await _first(loading, stop.wait()):  # a signal while loading: start() stopped its workers
             return 0
@@ -198,7 +199,7 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
             # the dead engine stays attached meanwhile: /health and new requests answer 503
             dead, engine = engine, None
             await dead.shutdown()
-            loading = asyncio.create_task(AsyncEngine.start(config), name="engine-restart")
+            loading = asyncio.create_task(start_engine(config), name="engine-restart")
             if not await _first(loading, stop.wait()):
                 return 0
             engine = loading.result()
@@ -222,7 +223,7 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
         sock.close()
 
 
-async def wait_dead(engine: AsyncEngine) -> str:
+async def wait_dead(engine: AsyncEngine | DataParallelEngine) -> str:
     """Returns why `engine` is dead once it is: its loop failed (a worker died or timed out mid-step), or
     a worker exited while the engine was idle (nothing else would notice until the next request)."""
     while True:
@@ -231,10 +232,9 @@ async def wait_dead(engine: AsyncEngine) -> str:
         # NOTE: only when idle: with requests live, the engine's own liveness check fails them with
         # EngineDeadError (503) within half a second; shutting it down first would end them as "abort"
         if not engine.requests:
-            for rank, proc in enumerate(engine.executor.procs):
-                code = proc.poll()
-                if code is not None:
-                    return f"worker {rank} (pid {proc.pid}) exited with code {code}"
+            reason = engine.idle_worker_exit()
+            if reason is not None:
+                return reason
         await asyncio.sleep(DEATH_POLL_S)
 
 

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from asyncengine.dp_engine import DataParallelEngine
 from asyncengine.stats import StatsSnapshot
 
 if TYPE_CHECKING:
@@ -73,12 +74,14 @@ def startup_line(engine: AsyncEngine, served_name: str, gpu_count: int) -> str:
     device = resolved_device(config, gpu_count)
     dtype = resolved_dtype(config, engine.hf_config, device)
     kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
-    blocks = engine.executor.num_kv_blocks
+    blocks = engine.num_kv_blocks
     tokens = blocks * config.block_size
     nodes = f"{config.nnodes} node" + ("s" if config.nnodes > 1 else "")
     return (
         f"engine ready: model {served_name} ({config.model}), dtype {dtype}, device {device}, parallel "
-        f"tp {config.tensor_parallel_size} x pp {config.pipeline_parallel_size} ({nodes}), KV cache {blocks} "
+        f"tp {config.tensor_parallel_size} x pp {config.pipeline_parallel_size} ({nodes})"
+        f"{f' x dp {config.data_parallel_size} replicas' if config.data_parallel_size > 1 else ''}, "
+        f"KV cache {blocks} "
         f"blocks x {config.block_size} = {tokens} tokens (kv {kv_dtype}), "
         f"max_model_len {engine.max_model_len} "
         f"({tokens / engine.max_model_len:.2f}x concurrency at that length), prefix caching "
@@ -95,11 +98,17 @@ class Reading(NamedTuple):
     prefix_queries: int | None = None
 
 
-def read(engine: AsyncEngine) -> Reading:
-    bm = engine.scheduler.block_manager if engine.scheduler is not None else None
-    if bm is None or not bm.enable_prefix_caching:
+def read(engine: AsyncEngine | DataParallelEngine) -> Reading:
+    """The engine's reading; a data-parallel engine's sums its replicas' prefix-cache counts."""
+    managers = [r.scheduler.block_manager for r in replicas(engine) if r.scheduler is not None]
+    if not managers or not all(bm.enable_prefix_caching for bm in managers):
         return Reading(engine.stats.snapshot())
-    return Reading(engine.stats.snapshot(), bm.prefix_hits, bm.prefix_queries)
+    hits, queries = sum(bm.prefix_hits for bm in managers), sum(bm.prefix_queries for bm in managers)
+    return Reading(engine.stats.snapshot(), hits, queries)
+
+
+def replicas(engine: AsyncEngine | DataParallelEngine) -> list[AsyncEngine]:
+    return engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
 
 
 def throughput_line(prev: Reading, cur: Reading) -> str | None:
@@ -129,7 +138,7 @@ async def log_stats(
     prev: tuple[AsyncEngine, Reading] | None = None
     while True:
         engine = current()
-        if engine is None or engine.scheduler is None:
+        if engine is None or any(r.scheduler is None for r in replicas(engine)):
             prev = None
         else:
             try:

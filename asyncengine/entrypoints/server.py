@@ -117,8 +117,11 @@ def build_app(
         responses={503: {"model": HealthResponse, "description": "loading, shutting down or dead"}},
     )
     async def health() -> Response:
-        """200 while serving; 503 while loading, shutting down, or dead (the status says which)."""
+        """200 while serving ("degraded" with the dead replicas' indices when some data-parallel replicas
+        died and the others serve); 503 while loading, shutting down, or dead (the status says which)."""
         status = state.health()
+        if status == "degraded":
+            return JSONResponse({"status": status, "dead_replicas": state.engine.degraded}, 200)
         return JSONResponse({"status": status}, 200 if status == "ok" else 503)
 
     @app.get(

@@ -67,6 +67,8 @@ class ServerState:
             return "dead"
         if self.draining or not self.engine.is_running:
             return "shutting_down"
+        if getattr(self.engine, "degraded", None):  # data parallel: some replicas dead, others serving
+            return "degraded"
         return "ok"
 
     def acquire(self, count: int = 1) -> int:

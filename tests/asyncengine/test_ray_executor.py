@@ -218,3 +218,30 @@ def test_cuda_index_binds_the_physical_gpu() -> None:
     assert cuda_index("GPU-abc", "GPU-xyz, GPU-abc") == 1
     with pytest.raises(ValueError, match="not in CUDA_VISIBLE_DEVICES"):
         cuda_index("1", "4,5")
+
+
+def test_data_parallel_replicas_on_ray(local_ray, model: Path) -> None:  # noqa: ANN001
+    """-dp 2 with ray: each replica its own placement group; both serve; nothing is left after."""
+    from asyncengine.dp_engine import DataParallelEngine, start_engine
+
+    prompts = PROMPTS * 2
+
+    async def run() -> list[list[int]]:
+        engine = await start_engine(config(model, data_parallel_size=2))
+        assert isinstance(engine, DataParallelEngine)
+        try:
+            assert len(live_groups()) == 2
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+            async def one(p: list[int]) -> list[int]:
+                return [o async for o in engine.generate(p, params)][-1].outputs[0].token_ids
+
+            got = await asyncio.gather(*(one(p) for p in prompts))
+            assert all(n > 0 for n in engine.routed), engine.routed
+            return got
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(run()) == hf_greedy(model, PROMPTS, MAX_NEW) * 2
+    assert not live_groups()
+    assert ray.is_initialized()  # the test's own Ray is left alone
