@@ -1,5 +1,5 @@
-"""Pydantic models of OpenAI's /v1/completions and /v1/chat/completions, plus vLLM's sampling extras
-and its /tokenize and /detokenize.
+"""Pydantic models of the requests of OpenAI's /v1/completions and /v1/chat/completions, plus vLLM's
+sampling extras and its /tokenize and /detokenize (their answers: openai_responses.py).
 
 Unknown fields are refused with a 400 naming them, as OpenAI does (`max_token` is a typo, not a request
 for the default). Every field OpenAI's API defines is known, and vLLM's common extras, so SDKs and
@@ -13,38 +13,16 @@ nullable fields take null as "the default".
 
 from __future__ import annotations
 
-import difflib
 import json
-import time
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any
 
-import pydantic
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import Field, StrictInt
 
 from asyncengine.entrypoints.api_errors import ApiError
+from asyncengine.entrypoints.request_model import RequestModel
 from asyncengine.sampling_params import OutputKind, SamplingParams, SamplingParamsError
 
 MAX_PROMPTS = 256  # prompts in one batched /v1/completions request
-
-
-STRICT = ConfigDict(extra="forbid", strict=True)
-
-
-class RequestModel(BaseModel):
-    """A request object: unknown fields are a 400; NEUTRAL lists the known fields this server does not
-    implement and the values at which they ask for nothing (any other value is a 400 naming the field)."""
-
-    model_config = STRICT
-    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
-
-    def check_neutral(self) -> None:
-        for name, neutral in self.NEUTRAL.items():
-            if getattr(self, name) not in neutral:
-                allowed = " or ".join(json.dumps(v) for v in neutral)
-                raise ApiError(f"{name} is not supported (only {allowed})", param=name)
-
-
-RequestModelT = TypeVar("RequestModelT", bound=RequestModel)
 
 
 class StreamOptions(RequestModel):
@@ -400,178 +378,6 @@ class TokenizeChatRequest(ChatTemplateFields):
     return_token_strs: bool | None = False
 
 
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
 class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[StrictInt]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-# -- responses --------------------------------------------------------------------------------------
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None  # with return_token_ids: the generated ids (a chunk's new ones)
-    prompt_token_ids: list[int] | None = None  # with return_token_ids, in a full response
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: dict[str, str]
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "asyncengine"
-    root: str
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-# -- documentation only: what the schema says the other answers hold ---------------------------------
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None  # the offending request field, where known
-    code: int  # the HTTP status
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error object, the body of every 4xx and 5xx answer."""
-
-    error: ErrorInfo
-
-
-class HealthResponse(BaseModel):
-    status: Literal["ok", "loading", "shutting_down", "dead"]
-
-
-class VersionResponse(BaseModel):
-    version: str
-
-
-# -- validation errors ---------------------------------------------------------------------------------
-def _suggestion(name: str, model: type[BaseModel] | None) -> str:
-    if model is None:
-        return ""
-    close = difflib.get_close_matches(name, list(model.model_fields), n=1, cutoff=0.75)
-    return f" (did you mean {close[0]}?)" if close else ""
-
-
-def validation_error(exc: pydantic.ValidationError | Any, model: type[BaseModel] | None = None) -> ApiError:
-    """A 400 for pydantic's (or FastAPI's) validation error: the first few problems by path, `param` the
-    first one's top-level field; an unknown field is called so, with the closest known name of `model`."""
-    parts = []
-    params = []
-    for err in exc.errors()[:5]:
-        loc = [x for x in err.get("loc", ()) if x != "body"]
-        where = ".".join(str(x) for x in loc)
-        if loc and isinstance(loc[0], str):
-            params.append(loc[0])
-        if err.get("type") == "extra_forbidden":
-            hint = _suggestion(str(loc[-1]), model) if len(loc) == 1 else ""
-            parts.append(f"{where}: unrecognized request argument{hint}")
-        else:
-            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-    return ApiError("invalid request: " + "; ".join(parts), param=params[0] if params else None)
-
-
-def parse_request(model: type[RequestModelT], body: bytes) -> RequestModelT:
-    """The request `body` (JSON) as `model`, or an ApiError (400) naming the problem and its field."""
-    try:
-        return model.model_validate_json(body)
-    except pydantic.ValidationError as e:
-        raise validation_error(e, model) from None

@@ -35,7 +35,8 @@ from asyncengine.entrypoints.api_errors import (
 from asyncengine.entrypoints.guard import GuardMiddleware, OriginPolicy
 from asyncengine.entrypoints.openai_api import request_schemas
 from asyncengine.entrypoints.openai_api import router as openai_router
-from asyncengine.entrypoints.openai_protocol import HealthResponse, validation_error
+from asyncengine.entrypoints.openai_responses import HealthResponse
+from asyncengine.entrypoints.request_model import validation_error
 from asyncengine.entrypoints.server_state import ServerLimits, ServerState
 from asyncengine.entrypoints.websocket import websocket_endpoint
 from asyncengine.errors import AsyncEngineError

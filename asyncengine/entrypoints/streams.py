@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -19,6 +18,7 @@ from starlette.types import Message, Send
 
 from asyncengine.engine import AsyncEngine, Prompt
 from asyncengine.entrypoints.api_errors import error_body
+from asyncengine.entrypoints.outbox import CLOSE_GRACE_S, NOT_READING, Outbox
 from asyncengine.entrypoints.server_state import ServerLimits
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
@@ -27,15 +27,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM clamps the same way
-NOT_READING = "client is not reading its output"
-CLOSE_GRACE_S = (
-    10.0  # for a client found not reading to take the end of its response (websocket: close frame)
-)
-
-
-def stall_check_interval(timeout: float) -> float | None:
-    """How often to look for a send stalled past `timeout` seconds (None: never, 0 turns the check off)."""
-    return min(1.0, timeout / 4) if timeout > 0 else None
 
 
 class ClientDisconnected(Exception):
@@ -170,88 +161,56 @@ class SSEResponse(StreamingResponse):
         )
         self.limits = limits or ServerLimits()
         self.name = name  # for the log
-        self.outbox: deque[bytes] = deque()
-        self.unsent = 0  # bytes in the outbox, the chunk being sent included
-        self.wake = asyncio.Event()  # a chunk was put, or the generator ended
-        self.pulled_all = False
-        self.sending_since: float | None = None  # loop time the current send began
+        self.outbox: Outbox[Message] | None = None  # made by stream_response, which has the send
         self.started = False  # the status line and headers went out
-        self.stopped: str | None = None  # why the client counts as not reading
-        self.sender: asyncio.Task | None = None
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the client counts as not reading (None while it reads, or before the response starts)."""
+        return None if self.outbox is None else self.outbox.stopped
 
     async def stream_response(self, send: Send) -> None:
-        pump = asyncio.create_task(self._pump())
-        self.sender = asyncio.create_task(self._send_all(send))
+        outbox = self.outbox = Outbox[Message](self.limits, send, "chunk")
+        pump = asyncio.create_task(self._pump(outbox))
+        sender = outbox.sender = asyncio.create_task(self._send_all(outbox))
         try:
-            await self._watch(self.sender, pump)
-            for task in (pump, self.sender):  # a failed send (the client went away) or generator
+            await self._watch(outbox, sender, pump)
+            for task in (pump, sender):  # a failed send (the client went away) or generator
                 if task.done() and not task.cancelled() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
         finally:
             # NOTE: shielded: a disconnect cancels this scope, and the generator's cleanup aborts requests;
             # cancelling the pump throws into the generator in a task no scope cancels again mid-cleanup
             with anyio.CancelScope(shield=True):
-                self.sender.cancel()
+                sender.cancel()
                 pump.cancel()
-                await asyncio.gather(self.sender, pump, return_exceptions=True)
+                await asyncio.gather(sender, pump, return_exceptions=True)
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
-        if self.stopped is not None:
+        if outbox.stopped is not None:
             await self._end_not_reading(send)
 
-    async def _pump(self) -> None:
+    async def _pump(self, outbox: Outbox[Message]) -> None:
         async for chunk in self.body_iterator:
             data = chunk.encode(self.charset) if isinstance(chunk, str) else bytes(chunk)
-            self.outbox.append(data)
-            self.unsent += len(data)
-            self.wake.set()
-            if self.unsent > self.limits.max_unsent_bytes:
-                self._stop(f"{self.unsent} bytes unsent, over the {self.limits.max_unsent_bytes} byte limit")
+            outbox.put({"type": "http.response.body", "body": data, "more_body": True}, len(data))
+            if outbox.stopped is not None:
                 return
-        self.pulled_all = True
-        self.wake.set()
+        outbox.close()
 
-    async def _send_all(self, send: Send) -> None:
-        await self._send(send, self._start_message())
+    async def _send_all(self, outbox: Outbox[Message]) -> None:
+        await outbox.send(self._start_message())
         self.started = True
-        while self.outbox or not self.pulled_all:
-            if not self.outbox:
-                self.wake.clear()
-                await self.wake.wait()
-                continue
-            chunk = self.outbox[0]
-            await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": True})
-            self.outbox.popleft()
-            self.unsent -= len(chunk)
-        await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
+        await outbox.send_all()
+        await outbox.send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _send(self, send: Send, message: Message) -> None:
-        self.sending_since = asyncio.get_running_loop().time()
-        await send(message)
-        self.sending_since = None
-
-    async def _watch(self, sender: asyncio.Task, pump: asyncio.Task) -> None:
+    @staticmethod
+    async def _watch(outbox: Outbox[Message], sender: asyncio.Task, pump: asyncio.Task) -> None:
         """Returns when the response is sent, a task failed, or the client is not reading."""
-        timeout = self.limits.send_stall_timeout
-        loop = asyncio.get_running_loop()
         waiting = {sender, pump}
-        while self.stopped is None:
-            done, _ = await asyncio.wait(
-                waiting, timeout=stall_check_interval(timeout), return_when=asyncio.FIRST_COMPLETED
-            )
+        while done := await outbox.wait(waiting):
             if sender in done or (pump in done and (pump.cancelled() or pump.exception() is not None)):
                 return
             waiting -= done  # the generator ended: wait for the sender to send the rest
-            since = self.sending_since
-            if timeout > 0 and since is not None and loop.time() - since > timeout:
-                self._stop(f"a chunk waited {timeout:g} s to be sent")
-
-    def _stop(self, why: str) -> None:
-        """The client is not reading: drop its unsent output; stream_response aborts and ends the response."""
-        self.stopped = why
-        self.outbox.clear()
-        self.unsent = 0
-        if self.sender is not None:
-            self.sender.cancel()
 
     async def _end_not_reading(self, send: Send) -> None:
         logger.info(

@@ -33,7 +33,6 @@ import asyncio
 import json
 import logging
 import uuid
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,10 +50,11 @@ from asyncengine.entrypoints.api_errors import (
     status_of,
 )
 from asyncengine.entrypoints.guard import WS_PROTOCOL
-from asyncengine.entrypoints.openai_api import render_chat
 from asyncengine.entrypoints.openai_protocol import ChatMessage, ChatTemplateFields
+from asyncengine.entrypoints.outbox import CLOSE_GRACE_S, NOT_READING, Outbox
+from asyncengine.entrypoints.prompts import render_chat
 from asyncengine.entrypoints.server_state import ServerState
-from asyncengine.entrypoints.streams import CLOSE_GRACE_S, NOT_READING, clamp, stall_check_interval
+from asyncengine.entrypoints.streams import clamp
 from asyncengine.outputs import CompletionOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
@@ -85,33 +85,37 @@ class Connection:
         self.ws = ws
         self.state = state
         self.id = uuid.uuid4().hex[:12]
-        # NOTE: putting a frame never waits, so a request always keeps taking its engine output (a waiting one
-        # would leave it to pile up in the engine, unbounded); the outbox is bounded in bytes instead
-        self.outbox: deque[str] = deque()
-        self.unsent = 0  # bytes in the outbox, the frame being sent included
-        self.wake = asyncio.Event()  # a frame was put
-        self.sending_since: float | None = None  # loop time the writer's current send began
-        self.stopped: str | None = None  # why the client counts as not reading; set once
+        self.outbox = Outbox[str](state.limits, ws.send_text, "frame")  # one writer task sends it
         self.live: dict[str, LiveRequest] = {}
-        self.writer: asyncio.Task | None = None
+
+    @property
+    def unsent(self) -> int:
+        """Bytes queued for the client, the frame being sent included."""
+        return self.outbox.unsent
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the client counts as not reading (None while it reads)."""
+        return self.outbox.stopped
 
     async def run(self) -> None:
-        self.writer = asyncio.create_task(self._write(), name=f"ws-writer-{self.id}")
+        writer = self.outbox.sender = asyncio.create_task(self._write(), name=f"ws-writer-{self.id}")
         reader = asyncio.create_task(self._read(), name=f"ws-reader-{self.id}")
         try:
-            await self._watch(reader, self.writer)
+            # returns when the client disconnects, the writer stops, or the client is found not reading
+            await self.outbox.wait({reader, writer})
         finally:
             # the client is gone or not reading: abort everything it started (cancelling a task aborts its
             # request, which frees its batch slot and KV blocks at once)
             reader.cancel()
-            self.writer.cancel()
+            writer.cancel()
             tasks = [r.task for r in self.live.values() if r.task is not None]
             for t in tasks:
                 t.cancel()
             # NOTE: shielded: when the server cancels this task (a disconnect under anyio, say), the
             # cancellations above still run to the end
             with anyio.CancelScope(shield=True):
-                await asyncio.gather(reader, self.writer, *tasks, return_exceptions=True)
+                await asyncio.gather(reader, writer, *tasks, return_exceptions=True)
         if self.stopped is not None:
             await self._close_not_reading(len(tasks))
 
@@ -122,58 +126,17 @@ class Connection:
                 return
             await self._on_frame(message.get("text"), message.get("bytes"))
 
-    async def _watch(self, reader: asyncio.Task, writer: asyncio.Task) -> None:
-        """Returns when the client disconnects, the writer stops, or one send has waited past the stall
-        timeout (uvicorn's send waits while the socket's buffers are full, i.e. while the client is not
-        reading)."""
-        timeout = self.state.limits.send_stall_timeout
-        loop = asyncio.get_running_loop()
-        while self.stopped is None:
-            done, _ = await asyncio.wait(
-                {reader, writer}, timeout=stall_check_interval(timeout), return_when=asyncio.FIRST_COMPLETED
-            )
-            if done:
-                return
-            since = self.sending_since
-            if timeout > 0 and since is not None and loop.time() - since > timeout:
-                self._stop(f"a frame waited {timeout:g} s to be sent")
-
     async def _write(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
-            while True:
-                if not self.outbox:
-                    self.wake.clear()
-                    await self.wake.wait()
-                    continue
-                frame = self.outbox[0]
-                self.sending_since = loop.time()
-                await self.ws.send_text(frame)
-                self.sending_since = None
-                self.outbox.popleft()
-                self.unsent -= len(frame)
+            await self.outbox.send_all()  # never closed: runs until cancelled or the socket fails
         except Exception:  # the socket closed under us: run() cleans up
             logger.debug("websocket %s: writer stopped", self.id, exc_info=True)
 
     def send(self, frame: dict[str, Any]) -> None:
         if self.stopped is not None:
-            return  # closing: the client was not reading
+            return  # closing: the client was not reading (and dumping the frame would be wasted)
         text = json.dumps(frame, separators=(",", ":"))
-        self.outbox.append(text)
-        self.unsent += len(text)  # bytes: json.dumps escapes non-ASCII
-        self.wake.set()
-        if self.unsent > self.state.limits.max_unsent_bytes:
-            self._stop(
-                f"{self.unsent} bytes unsent, over the {self.state.limits.max_unsent_bytes} byte limit"
-            )
-
-    def _stop(self, why: str) -> None:
-        """The client is not reading: drop its unsent output now, and wake run() to abort and close."""
-        self.stopped = why
-        self.outbox.clear()
-        self.unsent = 0
-        if self.writer is not None:
-            self.writer.cancel()
+        self.outbox.put(text, len(text))  # len is the byte count: json.dumps escapes non-ASCII
 
     async def _close_not_reading(self, aborted: int) -> None:
         logger.info(

@@ -1,4 +1,4 @@
-"""FastTokenizer (asyncengine/tokenizer.py) against transformers' AutoTokenizer on the same directory:
+"""FastTokenizer (asyncengine/fast_tokenizer.py) against transformers' AutoTokenizer on the same directory:
 the same backend tokenizer, encodings, decodings, special tokens and chat templates; and transformers
 wherever it would build something else."""
 
@@ -14,7 +14,8 @@ import transformers
 from tiny_models import build_tokenizer
 
 from asyncengine.config import default_model_path
-from asyncengine.tokenizer import FastTokenizer, load_fast_tokenizer, load_tokenizer
+from asyncengine.fast_tokenizer import FastTokenizer
+from asyncengine.tokenizer import load_fast_tokenizer, load_tokenizer
 
 TEXTS = [
     "Hello world!",

@@ -1,5 +1,6 @@
 """Shared by the reliability tests: one tiny chat model per session, the `asyncengine serve` subprocess
-helpers of tests/asyncengine/entrypoints/server_process.py, and worker-process lookup via /proc."""
+helpers of tests/asyncengine/entrypoints/server_process.py (and the fake engine of fake_engine.py there),
+and worker-process lookup via /proc."""
 
 from __future__ import annotations
 
@@ -15,20 +16,21 @@ from tiny_models import build_tiny_model_with_tokenizer
 _ENTRYPOINT_TESTS = Path(__file__).resolve().parents[1] / "asyncengine" / "entrypoints"
 
 
-def _load_server_process():  # noqa: ANN202 - a module
+def _load_entrypoint_helper(name: str):  # noqa: ANN202 - a module
     # NOTE: loaded by path (tests/asyncengine/entrypoints is not a package, nor on sys.path from here);
     # reuse the module if the entrypoint tests already imported it, so both share one set of helpers
-    if "server_process" in sys.modules:
-        return sys.modules["server_process"]
-    spec = importlib.util.spec_from_file_location("server_process", _ENTRYPOINT_TESTS / "server_process.py")
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, _ENTRYPOINT_TESTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["server_process"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-server_process = _load_server_process()
+server_process = _load_entrypoint_helper("server_process")
+FakeEngine = _load_entrypoint_helper("fake_engine").FakeEngine
 ServerProcess = server_process.ServerProcess
 start_server = server_process.start_server
 alive = server_process.alive

@@ -21,12 +21,11 @@ import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
-from reliability_helpers import ServerProcess, chat_model, server_process, start_server, stop
+from reliability_helpers import FakeEngine, ServerProcess, chat_model, server_process, start_server, stop
 from websockets.asyncio.client import connect
 from websockets.client import ClientProtocol
 from websockets.protocol import State
@@ -44,16 +43,11 @@ metric, ABORTS = server_process.metric, server_process.ABORTS
 
 
 # -- fakes --------------------------------------------------------------------------------------------
-class EndlessEngine:
+class EndlessEngine(FakeEngine):
     """Streams a 40-character delta every `delay` seconds until max_tokens (None: until aborted)."""
 
     def __init__(self, delay: float = 0.0) -> None:
-        self.delay = delay
-        self.config = SimpleNamespace(model="fake")
-        self.dead = None
-        self.closing = False
-        self.live: set[str] = set()
-        self.aborted: set[str] = set()
+        super().__init__(delay=delay)
 
     def generate(self, prompt: Any, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         self.live.add(request_id)
@@ -79,12 +73,6 @@ class EndlessEngine:
             if request_id in self.live and i != max_tokens:
                 self.aborted.add(request_id)  # left early: what the real engine's stream aborts
             self.live.discard(request_id)
-
-    async def abort(self, request_id: str) -> bool:
-        if request_id not in self.live:
-            return False
-        self.aborted.add(request_id)
-        return True
 
 
 class FakeWebSocket:

@@ -5,77 +5,24 @@ No processes and no model: these pin the serving layer's own behaviour in well u
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
-from prometheus_client import CollectorRegistry
 from starlette.testclient import WebSocketDenialResponse
 
 from asyncengine.entrypoints.server import build_app
 from asyncengine.entrypoints.server_state import ServerLimits
-from asyncengine.errors import EngineDeadError, InvalidRequestError
+from asyncengine.errors import EngineDeadError
 from asyncengine.outputs import CompletionOutput, RequestOutput
-from asyncengine.sampling_params import OutputKind, SamplingParams
+from asyncengine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
 KEY = "sk-app"
-
-
-class FakeEngine:
-    """Yields one token per `delay` seconds: token i has id i and text "t{i} "."""
-
-    def __init__(self, tokenizer: Any = None, delay: float = 0.001) -> None:
-        self.config = SimpleNamespace(model="/models/fake-model")
-        self.tokenizer = tokenizer
-        self.delay = delay
-        self.dead: EngineDeadError | None = None
-        self.closing = False
-        self.is_running = True
-        self.max_model_len = 128
-        self.max_prompt_chars = 100_000
-        self.stats = SimpleNamespace(registry=CollectorRegistry())
-        self.live: set[str] = set()
-        self.aborted: set[str] = set()
-
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str):
-        if prompt == "bad":
-            raise InvalidRequestError("bad prompt")
-        self.live.add(request_id)
-        ids: list[int] = []
-        try:
-            for i in range(params.max_tokens or 4):
-                await asyncio.sleep(self.delay)
-                last = i + 1 == params.max_tokens
-                reason = "abort" if request_id in self.aborted else ("length" if last else None)
-                ids.append(i)
-                if params.output_kind == OutputKind.DELTA:
-                    yield RequestOutput(
-                        request_id,
-                        None,
-                        [7, 7],
-                        [CompletionOutput(0, f"t{i} ", [i], None, None, reason)],
-                        reason is not None,
-                    )
-                elif reason is not None:
-                    text = "".join(f"t{j} " for j in ids)
-                    yield RequestOutput(
-                        request_id, None, [7, 7], [CompletionOutput(0, text, ids, None, None, reason)], True
-                    )
-                if reason is not None:
-                    return
-        finally:
-            self.live.discard(request_id)
-
-    async def abort(self, request_id: str) -> bool:
-        if request_id not in self.live:
-            return False
-        self.aborted.add(request_id)
-        return True
 
 
 def client(engine: Any = None, **limits: int) -> TestClient:

@@ -13,6 +13,7 @@ from typing import Any
 import openai
 import pytest
 import transformers
+from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from openai.types import completion_create_params
 from openai.types.chat import (
@@ -24,7 +25,7 @@ from openai.types.chat import (
 from openai.types.chat import (
     completion_create_params as chat_create_params,
 )
-from test_app import KEY, FakeEngine, client
+from test_app import KEY, client
 from tiny_models import build_tokenizer
 
 from asyncengine.entrypoints.guard import OriginPolicy

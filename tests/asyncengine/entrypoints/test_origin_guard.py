@@ -1,12 +1,13 @@
 """Host, Origin and Content-Type checks: what keeps web pages (and DNS-rebinding pages) from driving a
-local server through the user's browser. In-process app over the fake engine of test_app."""
+local server through the user's browser. In-process app over the fake engine of fake_engine.py."""
 
 from __future__ import annotations
 
 import pytest
+from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from starlette.testclient import WebSocketDenialResponse
-from test_app import KEY, FakeEngine
+from test_app import KEY
 
 from asyncengine.entrypoints.guard import OriginPolicy
 from asyncengine.entrypoints.server import build_app

@@ -17,9 +17,10 @@ import msgspec
 import pytest
 import schemathesis
 import transformers
+from fake_engine import FakeEngine
 from hypothesis import HealthCheck, settings
 from schemathesis import checks
-from test_app import KEY, FakeEngine
+from test_app import KEY
 from tiny_models import build_tokenizer
 
 from asyncengine.entrypoints.server import build_app
