@@ -228,6 +228,14 @@ class AsyncEngine:
             self._release(seq)
         self.output_processor.finish(state, error)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (vLLM's `reset_prefix_cache`), e.g. between benchmark runs; False
+        (and nothing changed) while requests are live, whose blocks the cache also indexes."""
+        if self.scheduler is None or self.requests or self.seq_owner:
+            return False
+        self.scheduler.block_manager.reset_prefix_cache()
+        return True
+
     # -- the loop ---------------------------------------------------------------------------------
     async def _run(self) -> None:
         assert self.scheduler is not None

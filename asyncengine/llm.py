@@ -86,6 +86,14 @@ class LLM:
         finally:
             bar.close()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False while requests run (AsyncEngine.reset_prefix_cache)."""
+
+        async def reset() -> bool:
+            return self.engine.reset_prefix_cache()
+
+        return self._call(reset())
+
     def shutdown(self) -> None:
         if self._loop.is_running():
             self._call(self.engine.shutdown())

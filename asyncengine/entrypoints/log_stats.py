@@ -101,6 +101,7 @@ class Reading(NamedTuple):
 def read(engine: AsyncEngine | DataParallelEngine) -> Reading:
     """The engine's reading; a data-parallel engine's sums its replicas' prefix-cache counts."""
     managers = [r.scheduler.block_manager for r in replicas(engine) if r.scheduler is not None]
+    managers = [bm for bm in managers if bm is not None]
     if not managers or not all(bm.enable_prefix_caching for bm in managers):
         return Reading(engine.stats.snapshot())
     hits, queries = sum(bm.prefix_hits for bm in managers), sum(bm.prefix_queries for bm in managers)

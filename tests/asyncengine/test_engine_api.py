@@ -286,3 +286,27 @@ async def test_a_long_prompt_is_tokenized_off_the_loop(engine) -> None:
     assert len(engine.tokenizer.encode(short)) < 500
     outs = await collect(engine, short, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert outs[-1].prompt == short and outs[-1].prompt_token_ids == engine.tokenizer.encode(short)
+
+
+async def test_reset_prefix_cache(engine) -> None:
+    """vLLM's reset_prefix_cache: refused while a request is live, then no cached prefix is found."""
+    bm = engine.scheduler.block_manager
+    prompt = list(range(10, 60))  # 6 full blocks of 8
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = await collect(engine, prompt, params)
+    hits = bm.prefix_hits
+    assert (await collect(engine, prompt, params))[-1].outputs[0].token_ids == first[-1].outputs[0].token_ids
+    assert bm.prefix_hits >= hits + 48  # the second run found the prompt's full blocks
+    stream = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    await stream.__anext__()
+    assert engine.reset_prefix_cache() is False  # a live request holds indexed blocks
+    await stream.aclose()
+    for _ in range(100):
+        if not engine.requests and not engine.seq_owner:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.reset_prefix_cache() is True
+    hits = bm.prefix_hits
+    again = await collect(engine, prompt, params)
+    assert bm.prefix_hits == hits  # nothing was found
+    assert again[-1].outputs[0].token_ids == first[-1].outputs[0].token_ids

@@ -99,7 +99,7 @@ def fake_engine(
     return SimpleNamespace(
         config=config,
         hf_config=ModelConfig(hf or {"dtype": "float32"}),
-        executor=SimpleNamespace(num_kv_blocks=blocks),
+        num_kv_blocks=blocks,
         max_model_len=max_model_len,
     )
 
