@@ -78,9 +78,16 @@ def test_a_huge_prompt_does_not_stall_other_streams(server: ServerProcess, path:
     http = httpx.Client(timeout=60)
     started, until = threading.Event(), threading.Event()
     result: list[list[tuple[float, float]]] = []
-    streamer = threading.Thread(
-        target=lambda: result.append(stream_gaps(server, started, until)), daemon=True
-    )
+    failed: list[BaseException] = []
+
+    def stream() -> None:
+        try:
+            result.append(stream_gaps(server, started, until))
+        except BaseException as e:  # reported below: a bare thread would swallow it
+            failed.append(e)
+            started.set()
+
+    streamer = threading.Thread(target=stream, daemon=True)
     streamer.start()
     assert started.wait(30)
     time.sleep(0.5)  # some gaps before, for the baseline
@@ -92,6 +99,8 @@ def test_a_huge_prompt_does_not_stall_other_streams(server: ServerProcess, path:
     time.sleep(0.5)
     until.set()
     streamer.join(30)
+    assert not failed, f"the other stream failed: {failed[0]!r}"
+    assert result, "the other stream did not finish within 30 s of the huge request's answer"
     assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text[:300]
     gaps = [gap for when, gap in result[0] if when >= t0]  # while the huge request was in (not warm-up)
     print(
