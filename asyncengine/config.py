@@ -4,6 +4,7 @@ fields."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,14 @@ class EngineConfig:
         default=None, metadata={"help": "layers per stage, e.g. 3,2 (default: even split)"}
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "int8: quantize an unquantized checkpoint's linear layers to int8 per output channel at "
+            "load time (weight-only; about half of bfloat16's weight bytes). Quantized checkpoints (GPTQ, "
+            "AWQ, FP8, compressed-tensors) are read from their config.json without this flag"
+        },
+    )
     kv_cache_dtype: str = field(
         default="auto",
         metadata={
@@ -241,6 +250,7 @@ class EngineConfig:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if not Path(self.model).is_dir():
             raise ConfigError(model_not_found(self.model))
+        check_quantization(self.model, self.quantization)
 
     @property
     def world_size(self) -> int:
@@ -263,6 +273,17 @@ class EngineConfig:
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_quantization(model: str, quantization: str | None) -> None:
+    """ConfigError now, in the engine process, for a quantization the workers would refuse to load."""
+    from asyncengine.quantization.config import parse_quant_config  # torch-free
+
+    try:
+        raw = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raw = {}  # the workers report an unreadable config.json
+    parse_quant_config(raw.get("quantization_config") if isinstance(raw, dict) else None, quantization)
 
 
 def layer_range(

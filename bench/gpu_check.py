@@ -4,7 +4,10 @@
    when two GPUs exist);
 2. prints decode tokens/s at batch 1, 8 and 64, with and without CUDA graphs, for a ~100M-parameter
    random Llama;
-3. prints Triton vs PyTorch-reference attention time for a decode batch.
+3. prints Triton vs PyTorch-reference attention time for a decode batch;
+4. prints the Triton W4A16 / W8A16 GEMM against the bfloat16 matmul at M = 1-256, and decode tokens/s
+   of the same Llama as bfloat16, --quantization int8 and a GPTQ int4 checkpoint (bench/quant_gemm.py
+   measures the CPU side).
 
 Usage: python bench/gpu_check.py [--skip-tests] [--steps 50]
 """
@@ -17,9 +20,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # quant_gemm.py, beside this script
 
 
 def run_gpu_tests() -> int:
@@ -57,10 +63,17 @@ def build_model(path: Path) -> Path:
     return path
 
 
-def decode_throughput(model_dir: Path, batch: int, eager: bool, steps: int, device: str = "cuda") -> float:
+def decode_throughput(
+    model_dir: Path,
+    batch: int,
+    eager: bool,
+    steps: int,
+    device: str = "cuda",
+    quantization: str | None = None,
+) -> float:
     """Decode tokens/s of a ModelRunner driven directly (no engine): a 128-token prefill, then `steps`
     greedy decode steps. device="cpu" runs the same code with the CPU backend (the tests do, so this
-    script cannot rot on machines without a GPU)."""
+    script cannot rot on machines without a GPU). bench/quant_gemm.py runs it for quantized models."""
     from asyncengine.config import EngineConfig
     from asyncengine.layers.attention import set_attention_backend
     from asyncengine.layers.attention_cpu import CpuAttentionBackend
@@ -72,7 +85,13 @@ def decode_throughput(model_dir: Path, batch: int, eager: bool, steps: int, devi
 
     dev = torch.device(device)
     set_attention_backend(TritonAttentionBackend() if dev.type == "cuda" else CpuAttentionBackend())
-    cfg = EngineConfig(model=str(model_dir), dtype="bfloat16", max_num_seqs=64, enforce_eager=eager)
+    cfg = EngineConfig(
+        model=str(model_dir),
+        dtype="bfloat16",
+        max_num_seqs=64,
+        enforce_eager=eager,
+        quantization=quantization,
+    )
     runner = ModelRunner(cfg, ParallelContext(), dev, torch.bfloat16, 1024)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     blocks_per_seq = 1024 // cfg.block_size
@@ -142,6 +161,32 @@ def attention_times() -> tuple[float, float]:
     return result[0], result[1]
 
 
+def quant_gemm_times() -> list[tuple[int, int, int, float, float, float]]:
+    """(N, K, M, bf16 ms, W8A16 ms, W4A16 ms) of the Triton quantized GEMM against torch's bf16 matmul."""
+    from quant_gemm import canonical_weight, time_ms
+
+    from asyncengine.cuda import triton_quant_gemm
+
+    dev = torch.device("cuda")
+    rows = []
+    for n, k in ((4096, 4096), (11008, 4096), (4096, 11008)):
+        w = torch.randn(n, k) * 0.02
+        dense = w.to(dev, torch.bfloat16)
+        packed = {}
+        for bits in (8, 4):
+            c = canonical_weight(w, bits)
+            args = (c.q, c.scales, c.zeros, c.perm, c.in_features, c.group_size, c.qtype)
+            packed[bits] = triton_quant_gemm.pack(*args, dev)
+        for m in (1, 16, 64, 256):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            times = [time_ms(partial(torch.matmul, x, dense.t()), torch.cuda.synchronize)]
+            for bits in (8, 4):
+                run = partial(triton_quant_gemm.linear, x, packed[bits], None)
+                times.append(time_ms(run, torch.cuda.synchronize))
+            rows.append((n, k, m, *times))
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -161,12 +206,29 @@ def main() -> int:
             eager = decode_throughput(model, batch, True, args.steps)
             graphs = decode_throughput(model, batch, False, args.steps)
             print(f"{batch:>6} {eager:>12.0f} {graphs:>13.0f} {graphs / eager:>8.2f}x", flush=True)
+        quantized_decode(model, args.steps)
     triton_ms, torch_ms = attention_times()
     print(
         f"\ndecode attention, 64 seqs x 64-1024 tokens, 32 q / 8 kv heads, d=128, bf16: "
         f"triton {triton_ms:.3f} ms, torch reference {torch_ms:.3f} ms ({torch_ms / triton_ms:.1f}x)"
     )
+    print(f"\n{'N':>6} {'K':>6} {'M':>4} {'bf16 ms':>8} {'W8 ms':>8} {'W4 ms':>8} {'W8 x':>6} {'W4 x':>6}")
+    for n, k, m, bf16, w8, w4 in quant_gemm_times():
+        print(f"{n:>6} {k:>6} {m:>4} {bf16:>8.3f} {w8:>8.3f} {w4:>8.3f} {bf16 / w8:>6.2f} {bf16 / w4:>6.2f}")
     return rc
+
+
+def quantized_decode(model: Path, steps: int) -> None:
+    """Decode tokens/s of `model` as bfloat16, int8 (at load time) and GPTQ int4 (written here)."""
+    from quant_gemm import write_gptq_checkpoint
+
+    int4 = write_gptq_checkpoint(model, model.parent / "llama100m-gptq4")
+    print(f"\n{'batch':>6} {'bf16 tok/s':>11} {'int8 tok/s':>11} {'int4 tok/s':>11}")
+    for batch in (1, 16):
+        bf16 = decode_throughput(model, batch, False, steps)
+        int8 = decode_throughput(model, batch, False, steps, quantization="int8")
+        gptq = decode_throughput(int4, batch, False, steps)
+        print(f"{batch:>6} {bf16:>11.0f} {int8:>11.0f} {gptq:>11.0f}", flush=True)
 
 
 if __name__ == "__main__":

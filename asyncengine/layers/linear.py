@@ -3,6 +3,11 @@
 Every parameter carries `weight_loader(param, loaded_tensor, shard_id=None)`: it receives the full HF tensor
 and copies this rank's slice into `param`. Column-parallel layers split the output dim, row-parallel layers
 the input dim; a column layer followed by a row layer needs one all-reduce, done by the row layer.
+
+A layer built inside quantization.context.building_with(method) holds the method's checkpoint tensors
+instead of `weight` (quantized codes, scales, ...), each cut by `load_sharded` from the same shard
+geometry (`output_shard`, `input_shard`) that the plain loaders use; after loading, the method turns them
+into its kernel's weight and runs the GEMM.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from torch import nn
 from asyncengine.cpu import gemm as cpu_gemm
 from asyncengine.errors import ModelLoadError
 from asyncengine.layers.parallel import ParallelContext, tp_all_gather, tp_all_reduce
+from asyncengine.quantization.context import current_method
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
 
@@ -65,9 +71,14 @@ class _ParallelLinear(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.in_per_rank, self.out_per_rank = in_per_rank, out_per_rank
-        self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank), requires_grad=False)
         self.packed: cpu_gemm.PackedWeight | None = None  # the weight packed for CPU GEMMs (cpu/gemm.py)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant_method = current_method()  # set while a quantized checkpoint's model is built
+        self.quant_weight: Any = None  # the method's kernel weight, once loaded
+        if self.quant_method is None:
+            self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.quant_method.create_weights(self)
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_per_rank), requires_grad=False)
@@ -76,18 +87,60 @@ class _ParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         raise NotImplementedError
 
+    def output_shard(self, shard_id: Any = None) -> tuple[int, int, int, int]:
+        """Along the output features, for checkpoint tensor `shard_id`: (offset in this rank's output,
+        offset in the checkpoint tensor, size, the checkpoint tensor's full size). Unsplit here."""
+        return 0, 0, self.out_per_rank, self.out_per_rank
+
+    def input_shard(self) -> tuple[int, int, int]:
+        """Along the input features: (offset in the checkpoint tensor, size, full size). Unsplit here."""
+        return 0, self.in_per_rank, self.in_per_rank
+
+    def load_sharded(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        """The loader of a quantized layer's tensors: `param.shard_dims` (quantization.method.ShardDims)
+        says which dims run along the output and input features, and how many features an element packs."""
+        dims = param.shard_dims  # type: ignore[attr-defined]
+        dst = param.data
+        if dims.out_dim is not None:
+            offset, start, size, full = self.output_shard(shard_id)
+            if any(v % dims.out_pack for v in (offset, start, size)):
+                raise ModelLoadError(
+                    f"an output shard of {size} is not aligned to its packing ({dims.out_pack})"
+                )
+            check_dim(loaded, dims.out_dim, -(-full // dims.out_pack))
+            loaded = loaded.narrow(dims.out_dim, start // dims.out_pack, size // dims.out_pack)
+            dst = dst.narrow(dims.out_dim, offset // dims.out_pack, size // dims.out_pack)
+        if dims.in_dim is not None:
+            start, size, full = self.input_shard()
+            if size != full and any(v % dims.in_pack for v in (start, size)):
+                raise ModelLoadError(
+                    f"an input shard of {size} is not aligned to its packing ({dims.in_pack})"
+                )
+            check_dim(loaded, dims.in_dim, -(-full // dims.in_pack))
+            loaded = loaded.narrow(dims.in_dim, start // dims.in_pack, -(-size // dims.in_pack))
+        copy_checked(dst, loaded)
+
+    def process_weights_after_loading(self) -> None:
+        """A quantized layer's checkpoint tensors become its kernel's weight (no-op for plain ones)."""
+        if self.quant_method is not None and self.quant_weight is None:
+            self.quant_method.process_after_loading(self)
+
     def prepack(self, gated: bool = False) -> bool:
         """Swaps the weight for its packed copy (cpu_gemm.prepack) where that applies (CPU, after loading).
         gated: a merged [gate | up] weight whose GEMM is to return silu(gate) * up (cpu_gemm.prepack_gated);
         its module asks for that first, and the plain packing then keeps it."""
         if self.packed is not None:
             return True
+        if self.quant_method is not None:  # its kernel weight was made at load time
+            return False
         self.packed = cpu_gemm.prepack_gated(self.weight) if gated else cpu_gemm.prepack(self.weight)
         if self.packed is not None:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # the packed copy is the only one
         return self.packed is not None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
         if self.packed is not None:
             return cpu_gemm.linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
@@ -96,6 +149,7 @@ class _ParallelLinear(nn.Module):
         return (
             f"in_per_rank={self.in_per_rank}, out_per_rank={self.out_per_rank}, "
             f"bias={self.bias is not None}, tp={self.parallel.tp_size}, packed={self.packed is not None}"
+            + (f", quantized={self.quant_method.config.method}" if self.quant_method is not None else "")
         )
 
 
@@ -113,10 +167,14 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__(input_size, divide(output_size, parallel.tp_size, "output size"), bias, parallel)
         self.gather_output = gather_output
 
+    def output_shard(self, shard_id: Any = None) -> tuple[int, int, int, int]:
+        size = self.out_per_rank
+        return 0, self.parallel.tp_rank * size, size, size * self.parallel.tp_size
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        size = param.shape[0]
-        check_dim(loaded, 0, size * self.parallel.tp_size)
-        copy_checked(param.data, loaded.narrow(0, self.parallel.tp_rank * size, size))
+        offset, start, size, full = self.output_shard(shard_id)
+        check_dim(loaded, 0, full)
+        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp] (or [T, out] gathered)
         y = self.matmul(x, self.bias)
@@ -143,11 +201,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             for i, part in enumerate(loaded.split(self.output_sizes, dim=0)):
                 self.weight_loader(param, part, i)
             return
+        super().weight_loader(param, loaded, shard_id)
+
+    def output_shard(self, shard_id: Any = None) -> tuple[int, int, int, int]:
+        if shard_id is None:
+            raise ModelLoadError("a quantized fused gate/up tensor is not supported: store its parts")
         tp = self.parallel.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // tp
         size = self.output_sizes[shard_id] // tp
-        check_dim(loaded, 0, self.output_sizes[shard_id])
-        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, self.parallel.tp_rank * size, size))
+        return sum(self.output_sizes[:shard_id]) // tp, self.parallel.tp_rank * size, size, size * tp
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -195,17 +256,21 @@ class QKVParallelLinear(ColumnParallelLinear):
             for sid, part in zip(("q", "k", "v"), loaded.split(sizes, dim=0), strict=True):
                 self.weight_loader(param, part, sid)
             return
+        super().weight_loader(param, loaded, shard_id)
+
+    def output_shard(self, shard_id: Any = None) -> tuple[int, int, int, int]:
         rank = self.parallel.tp_rank
         if shard_id == "q":
             offset, size, src_index = 0, self.q_size, rank
         elif shard_id in ("k", "v"):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             size, src_index = self.kv_size, rank // self.kv_replicas
+        elif shard_id is None:
+            raise ModelLoadError("a quantized fused qkv tensor is not supported: store q, k and v apart")
         else:
             raise ValueError(f"unknown qkv shard {shard_id!r}")
         total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
-        check_dim(loaded, 0, total_heads * self.head_dim)
-        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, src_index * size, size))
+        return offset, src_index * size, size, total_heads * self.head_dim
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # [T, q + 2 kv] -> [T, q], [T, kv], [T, kv]
@@ -229,9 +294,13 @@ class RowParallelLinear(_ParallelLinear):
         if param.dim() == 1:  # the bias is replicated
             copy_checked(param.data, loaded)
             return
-        size = param.shape[1]
-        check_dim(loaded, 1, size * self.parallel.tp_size)
-        copy_checked(param.data, loaded.narrow(1, self.parallel.tp_rank * size, size))
+        start, size, full = self.input_shard()
+        check_dim(loaded, 1, full)
+        copy_checked(param.data, loaded.narrow(1, start, size))
+
+    def input_shard(self) -> tuple[int, int, int]:
+        size = self.in_per_rank
+        return self.parallel.tp_rank * size, size, size * self.parallel.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
         if self.parallel.tp_size == 1:

@@ -15,6 +15,10 @@ from torch import nn
 from asyncengine.errors import ModelLoadError
 from asyncengine.layers.parallel import ParallelContext
 from asyncengine.model_config import is_self_contained, model_max_len, read_model_config
+from asyncengine.quantization.config import parse_quant_config
+from asyncengine.quantization.context import building_with
+from asyncengine.quantization.method import QuantLinearMethod
+from asyncengine.quantization.methods import make_linear_method
 
 __all__ = ["get_model_config", "lm_head_cost", "load_model", "model_dtype", "model_max_len"]
 
@@ -88,6 +92,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     progress: bool = False,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Builds this rank's shard of the model on `device` in `dtype` and loads its weights.
 
@@ -98,15 +103,32 @@ def load_model(
 
     hf_config = get_model_config(model_dir)
     model_class = resolve_model_class(hf_config)
-    with _default_dtype(dtype), torch.device(device):
+    method = quant_method_for(hf_config, model_class, quantization)
+    with _default_dtype(dtype), torch.device(device), building_with(method):
         model = model_class(hf_config, parallel)
     model.requires_grad_(False)
     loaded = model.load_weights(_iter_weights(_weight_files(Path(model_dir)), parallel, progress))  # type: ignore[operator]
     missing = sorted({name for name, _ in model.named_parameters()} - loaded)
+    if method is not None:  # tensors a checkpoint may leave out (GPTQ's g_idx)
+        missing = [name for name in missing if not method.optional(name.rsplit(".", 1)[-1])]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ModelLoadError(f"{model_dir}: no weights found for {len(missing)} parameter(s): {shown}")
+    if method is not None:
+        for module in model.modules():  # codes and scales into each kernel's layout
+            if callable(getattr(module, "process_weights_after_loading", None)):
+                module.process_weights_after_loading()
     return model.eval()
+
+
+def quant_method_for(hf_config: Any, model_class: type, quantization: str | None) -> QuantLinearMethod | None:
+    """The linear method for the checkpoint's `quantization_config` and --quantization; None if neither."""
+    qconfig = parse_quant_config(getattr(hf_config, "quantization_config", None), quantization)
+    if qconfig is None:
+        return None
+    if qconfig.method != "int8" and model_class.__name__ == "GPT2LMHeadModel":
+        raise ModelLoadError(f"{qconfig.method} checkpoints are read for the Llama family, not GPT-2")
+    return make_linear_method(qconfig)
 
 
 @contextlib.contextmanager

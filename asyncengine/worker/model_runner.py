@@ -66,7 +66,9 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_dtype = torch.float8_e5m2 if config.kv_cache_dtype == "fp8_e5m2" else dtype
         self.block_size = config.block_size
-        self.model: nn.Module = load_model(config.model, parallel, dtype, device, progress=progress)
+        self.model: nn.Module = load_model(
+            config.model, parallel, dtype, device, progress=progress, quantization=config.quantization
+        )
         if device.type == "cpu":
             cpu_gemm.prepack_model(self.model)  # weights in oneDNN's layout: no re-packing per GEMM
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

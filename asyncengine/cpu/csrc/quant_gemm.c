@@ -1,0 +1,377 @@
+/* Weight-only quantized GEMM: out = x W^T + b with W held as 4-bit / 8-bit codes or float8 e4m3,
+ * dequantized in registers (never a whole weight per call).
+ *
+ * Weight layout (cpu/quant_gemm.py packs it): output rows in blocks of 16 (one float32 vector), each
+ * block a run of k steps of 16 bytes, byte j for row 16 b + j:
+ *   4-bit: step p holds columns 2p (low nibble) and 2p + 1 (high nibble)  -> [blocks][K / 2][16]
+ *   8-bit and e4m3: step k holds column k                                -> [blocks][K][16]
+ * scales and zeros: [blocks][G][16] float32, group g covering columns [g * gs, (g + 1) * gs).
+ * w = (code - zero) * scale; e4m3 is widened to half precision (a shift) and converted by vcvtph2ps,
+ * which yields w / 256: the packer stores scale * 256 for it (exact: a power of two).
+ *
+ * bfloat16 activations with AVX512-BF16 (qgemm_bf16): gathered through `perm` (act-order; -1 reads zero)
+ * as bfloat16 with per-group sums; vdpbf16ps multiplies raw codes (exact in bfloat16) into MT-row tiles
+ * and each group's zero and scale are applied once per group: about 5 instructions per 32 weights
+ * plus one per row, where the float32 path below spends 11 plus two per row.
+ * Otherwise (float32 activations, or no AVX512-BF16): activations are widened to float32, gathered and
+ * zero-padded to K (one pass, m * K floats); decode-sized M (<= MT rows) dequantizes each 16-value step
+ * in registers as (code - zero) * scale, the reference's float32 weight exactly, and multiplies it into
+ * every row at once; larger M dequantizes a block's whole strip ([K][16] float32, L2-sized) once and
+ * runs MT-row tiles over it. Output blocks are split across OpenMP threads.
+ * Each output value is summed over k in one fixed order, whatever M is. Built by cpu/build.py. */
+#include <stdlib.h>
+
+#include "cpu_common.h"
+
+#define QT_U4 0
+#define QT_U8 1
+#define QT_FP8 2
+#define MT 8
+#define PAR_MIN (1L << 16) /* multiply-adds below which waking threads costs more than it saves */
+
+
+long qgemm_step_bytes(int k_int, int qtype) { return (long)(qtype == QT_U4 ? k_int / 2 : k_int) * 16; }
+
+/* activations [m, k_int] float32: widened, permuted, zero-padded */
+static void gather_x(const void *x, long x_stride, int x_bf16, int k_in, const long *perm, float *xs, int m,
+                     int k_int) {
+    for (int r = 0; r < m; r++) {
+        float *dst = xs + (long)r * k_int;
+        for (int k = 0; k < k_int; k++) {
+            const long src = perm ? perm[k] : (k < k_in ? k : -1);
+            if (src < 0)
+                dst[k] = 0.0f;
+            else if (x_bf16)
+                dst[k] = bf16_to_f32(((const uint16_t *)x)[(long)r * x_stride + src]);
+            else
+                dst[k] = ((const float *)x)[(long)r * x_stride + src];
+        }
+    }
+}
+
+/* out[r, col] = acc + bias, rounded to the output dtype once */
+static inline void store_value(void *out, long out_stride, int out_bf16, int r, int col, float v,
+                               const void *bias) {
+    if (bias) v += out_bf16 ? bf16_to_f32(((const uint16_t *)bias)[col]) : ((const float *)bias)[col];
+    if (out_bf16)
+        ((uint16_t *)out)[(long)r * out_stride + col] = f32_to_bf16(v);
+    else
+        ((float *)out)[(long)r * out_stride + col] = v;
+}
+
+static inline float e4m3_to_f32_over_256(uint8_t b) {
+    /* the half with e4m3's exponent and mantissa bits: value / 256 (see the header comment) */
+    const uint16_t h = (uint16_t)(((b & 0x7f) << 7) | ((b & 0x80) << 8));
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    float f;
+    if (!exp) {
+        f = (float)man * 5.9604644775390625e-08f; /* 2^-24 */
+        return sign ? -f : f;
+    }
+    const uint32_t u = sign | ((exp + 112) << 23) | (man << 13);
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The dequantized weights of one block's step k (16 output rows) into w[16], portable C. */
+static inline void dequant_step(const uint8_t *wb, int k, int qtype, const float *s, const float *z, float *w) {
+    if (qtype == QT_U4) {
+        const uint8_t *p = wb + (long)(k >> 1) * 16;
+        const int shift = (k & 1) * 4;
+        for (int j = 0; j < 16; j++) w[j] = ((float)((p[j] >> shift) & 15) - z[j]) * s[j];
+    } else if (qtype == QT_U8) {
+        const uint8_t *p = wb + (long)k * 16;
+        for (int j = 0; j < 16; j++) w[j] = ((float)p[j] - z[j]) * s[j];
+    } else {
+        const uint8_t *p = wb + (long)k * 16;
+        for (int j = 0; j < 16; j++) w[j] = e4m3_to_f32_over_256(p[j]) * s[j];
+    }
+}
+
+static const float ZERO16[16];
+
+#ifdef HAVE_AVX512
+/* 16 e4m3 bytes -> 16 float32 values / 256 */
+static inline __m512 e4m3x16(const uint8_t *p) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    return _mm512_cvtph_ps(h);
+}
+
+/* rows (<= MT) activation rows against one block, weights dequantized in registers. Inlined with a
+ * constant `rows`, so the row loops unroll and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void block_direct(int rows, const float *xs, int k_int, int gs,
+                                                               int qtype, const uint8_t *wb, const float *sb,
+                                                               const float *zb, __m512 *acc) {
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    const int groups = k_int / gs;
+    for (int g = 0; g < groups; g++) {
+        const __m512 s = _mm512_loadu_ps(sb + g * 16);
+        const __m512 z = zb ? _mm512_loadu_ps(zb + g * 16) : _mm512_setzero_ps();
+        const int k0 = g * gs, k1 = k0 + gs;
+        if (qtype == QT_U4) {
+            for (int k = k0; k < k1; k += 2) {
+                const uint8_t *p = wb + (long)(k >> 1) * 16;
+                _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0);
+                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+                const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
+                const __m512i hi = _mm512_srli_epi32(v, 4);
+                const __m512 w0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(lo), z), s);
+                const __m512 w1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(hi), z), s);
+                for (int r = 0; r < rows; r++) {
+                    const float *xr = xs + (long)r * k_int + k;
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), w0, acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), w1, acc[r]);
+                }
+            }
+        } else {
+            for (int k = k0; k < k1; k++) {
+                const uint8_t *p = wb + (long)k * 16;
+                _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0);
+                __m512 w;
+                if (qtype == QT_U8)
+                    w = _mm512_mul_ps(
+                        _mm512_sub_ps(
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))), z),
+                        s);
+                else
+                    w = _mm512_mul_ps(e4m3x16(p), s);
+                for (int r = 0; r < rows; r++)
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[(long)r * k_int + k]), w, acc[r]);
+            }
+        }
+    }
+}
+
+/* rows (<= MT) activation rows against a block's dequantized strip [k_int][16] */
+static inline __attribute__((always_inline)) void block_strip(int rows, const float *xs, int k_int,
+                                                              const float *strip, __m512 *acc) {
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int k = 0; k < k_int; k++) {
+        const __m512 w = _mm512_load_ps(strip + (long)k * 16);
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[(long)r * k_int + k]), w, acc[r]);
+    }
+}
+
+#define ROWS_SWITCH(CALL)                                                                                  \
+    switch (rows) {                                                                                        \
+    case 1: CALL(1); break;                                                                                \
+    case 2: CALL(2); break;                                                                                \
+    case 3: CALL(3); break;                                                                                \
+    case 4: CALL(4); break;                                                                                \
+    case 5: CALL(5); break;                                                                                \
+    case 6: CALL(6); break;                                                                                \
+    case 7: CALL(7); break;                                                                                \
+    default: CALL(8); break;                                                                               \
+    }
+
+static void store_tile(const __m512 *acc, int rows, int r0, int col0, int n, void *out, long out_stride,
+                       int out_bf16, const void *bias) {
+    float tmp[16];
+    const int width = n - col0 < 16 ? n - col0 : 16;
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_ps(tmp, acc[r]);
+        for (int j = 0; j < width; j++) store_value(out, out_stride, out_bf16, r0 + r, col0 + j, tmp[j], bias);
+    }
+}
+
+#ifdef __AVX512BF16__
+#define HAVE_DPBF16 1
+/* bfloat16 activations: vdpbf16ps multiplies a pair of columns (k, k + 1) per lane. Codes (0..255)
+ * and e4m3 values are exact in bfloat16, and so are the activations, so every product is exact; the
+ * sums run per group over raw codes, and the group's zero and scale are applied once:
+ * out += scale * (sum_k x * code - zero * sum_k x). The weights are never rounded. */
+static const uint16_t BF16_OF_0_TO_15[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                              0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+static inline __m512i bf16_of_f32(__m512 v) { return _mm512_srli_epi32(_mm512_castps_si512(v), 16); }
+
+/* lane j: the bfloat16 pair (column k, column k + 1) of the block's row j, k even */
+static inline __m512i code_pairs(const uint8_t *wb, int k, int qtype, __m512i lut) {
+    if (qtype == QT_U4) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wb + (long)(k >> 1) * 16)));
+        const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(15)),
+                                            _mm512_slli_epi32(_mm512_srli_epi32(v, 4), 16));
+        return _mm512_permutexvar_epi16(idx, lut); /* 16 codes -> their bfloat16 values, one lookup */
+    }
+    const uint8_t *p = wb + (long)k * 16;
+    __m512 lo, hi;
+    if (qtype == QT_U8) {
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    } else {
+        lo = e4m3x16(p);
+        hi = e4m3x16(p + 16);
+    }
+    return _mm512_or_si512(bf16_of_f32(lo), _mm512_slli_epi32(bf16_of_f32(hi), 16));
+}
+
+static inline __attribute__((always_inline)) void block_dp(int rows, const uint16_t *xb, const float *xsum,
+                                                           int k_int, int gs, int qtype, const uint8_t *wb,
+                                                           const float *sb, const float *zb, __m512 *out) {
+    const __m512i lut = _mm512_loadu_si512(BF16_OF_0_TO_15);
+    const int groups = k_int / gs;
+    for (int r = 0; r < rows; r++) out[r] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m512 acc[MT];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+        for (int k = g * gs; k < (g + 1) * gs; k += 2) {
+            const __m512bh w = (__m512bh)code_pairs(wb, k, qtype, lut);
+            _mm_prefetch((const char *)(wb + (long)k * (qtype == QT_U4 ? 8 : 16) + 1024), _MM_HINT_T0);
+            for (int r = 0; r < rows; r++) {
+                int32_t pair;
+                memcpy(&pair, xb + (long)r * k_int + k, 4);
+                acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32(pair));
+            }
+        }
+        const __m512 s = _mm512_loadu_ps(sb + g * 16);
+        const __m512 z = zb ? _mm512_loadu_ps(zb + g * 16) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++)
+            out[r] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), acc[r]), out[r]);
+    }
+}
+#endif
+#endif
+
+static void dequant_strip(const uint8_t *wb, int k_int, int gs, int qtype, const float *sb, const float *zb,
+                          float *strip) {
+    for (int k = 0; k < k_int; k++) {
+        const int g = k / gs;
+        dequant_step(wb, k, qtype, sb + g * 16, zb ? zb + g * 16 : ZERO16, strip + (long)k * 16);
+    }
+}
+
+/* One output block (16 rows of W) for all m activation rows. */
+static void run_block(int b, const float *xs, int m, int n, int k_int, int gs, int qtype, const uint8_t *w,
+                      const float *scales, const float *zeros, const void *bias, void *out, long out_stride,
+                      int out_bf16, float *strip) {
+    const int groups = k_int / gs;
+    const uint8_t *wb = w + b * qgemm_step_bytes(k_int, qtype);
+    const float *sb = scales + (long)b * groups * 16;
+    const float *zb = zeros ? zeros + (long)b * groups * 16 : 0;
+#ifdef HAVE_AVX512
+    __m512 acc[MT];
+    if (m <= MT) {
+        const int rows = m;
+#define DIRECT(R) block_direct(R, xs, k_int, gs, qtype, wb, sb, zb, acc)
+        ROWS_SWITCH(DIRECT)
+#undef DIRECT
+        store_tile(acc, rows, 0, b * 16, n, out, out_stride, out_bf16, bias);
+        return;
+    }
+    dequant_strip(wb, k_int, gs, qtype, sb, zb, strip);
+    for (int r0 = 0; r0 < m; r0 += MT) {
+        const int rows = m - r0 < MT ? m - r0 : MT;
+        const float *xr = xs + (long)r0 * k_int;
+#define STRIP(R) block_strip(R, xr, k_int, strip, acc)
+        ROWS_SWITCH(STRIP)
+#undef STRIP
+        store_tile(acc, rows, r0, b * 16, n, out, out_stride, out_bf16, bias);
+    }
+#else
+    dequant_strip(wb, k_int, gs, qtype, sb, zb, strip);
+    const int width = n - b * 16 < 16 ? n - b * 16 : 16;
+    for (int r = 0; r < m; r++) {
+        float acc[16] = {0};
+        const float *xr = xs + (long)r * k_int;
+        for (int k = 0; k < k_int; k++) {
+            const float xv = xr[k], *wk = strip + (long)k * 16;
+            for (int j = 0; j < 16; j++) acc[j] += xv * wk[j];
+        }
+        for (int j = 0; j < width; j++) store_value(out, out_stride, out_bf16, r, b * 16 + j, acc[j], bias);
+    }
+#endif
+}
+
+#ifdef HAVE_DPBF16
+/* bfloat16 activations: gathered (permuted, zero-padded) as bfloat16 with their per-group sums, then
+ * MT-row tiles per block through block_dp. */
+static int qgemm_bf16(const void *x, long x_stride, int k_in, const long *perm, const uint8_t *w,
+                      const float *scales, const float *zeros, const void *bias, void *out, long out_stride, int m,
+                      int n, int k_int, int gs, int qtype, int num_threads) {
+    const int groups = k_int / gs, blocks = (n + 15) / 16;
+    uint16_t *xb = aligned_alloc(64, ((size_t)m * k_int * 2 + 63) / 64 * 64);
+    float *xsum = aligned_alloc(64, ((size_t)m * groups * 4 + 63) / 64 * 64);
+    if (!xb || !xsum) {
+        free(xb);
+        free(xsum);
+        return -2;
+    }
+    const uint16_t *xin = (const uint16_t *)x;
+    for (int r = 0; r < m; r++) {
+        uint16_t *dst = xb + (long)r * k_int;
+        for (int k = 0; k < k_int; k++) {
+            const long src = perm ? perm[k] : (k < k_in ? k : -1);
+            dst[k] = src < 0 ? 0 : xin[(long)r * x_stride + src];
+        }
+        for (int g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int k = g * gs; k < (g + 1) * gs; k++) sum += bf16_to_f32(dst[k]);
+            xsum[r * groups + g] = sum;
+        }
+    }
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && blocks > 1)
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *wb = w + b * qgemm_step_bytes(k_int, qtype);
+        const float *sb = scales + (long)b * groups * 16;
+        const float *zb = zeros ? zeros + (long)b * groups * 16 : 0;
+        __m512 acc[MT];
+        for (int r0 = 0; r0 < m; r0 += MT) {
+            const int rows = m - r0 < MT ? m - r0 : MT;
+            const uint16_t *xr = xb + (long)r0 * k_int;
+            const float *sr = xsum + (long)r0 * groups;
+#define DP(R) block_dp(R, xr, sr, k_int, gs, qtype, wb, sb, zb, acc)
+            ROWS_SWITCH(DP)
+#undef DP
+            store_tile(acc, rows, r0, b * 16, n, out, out_stride, 1, bias);
+        }
+    }
+    free(xb);
+    free(xsum);
+    return 0;
+}
+#endif
+
+/* out[m, n] = x[m, :] W^T + bias. x: float32 (x_bf16 = 0) or bfloat16 rows x_stride elements apart, k_in
+ * wide; out and bias in the same dtype. Returns 0, or -2 when scratch memory could not be allocated. */
+int qgemm(const void *x, long x_stride, int x_bf16, int k_in, const long *perm, const uint8_t *w,
+          const float *scales, const float *zeros, const void *bias, void *out, long out_stride, int m, int n,
+          int k_int, int gs, int qtype, int num_threads) {
+    if (m <= 0 || n <= 0) return 0;
+#ifdef HAVE_DPBF16
+    if (x_bf16) return qgemm_bf16(x, x_stride, k_in, perm, w, scales, zeros, bias, out, out_stride, m, n, k_int, gs,
+                                  qtype, num_threads);
+#endif
+    const float *xs = (const float *)x;
+    float *xbuf = 0;
+    if (x_bf16 || perm || k_in != k_int || x_stride != k_int) {
+        xbuf = aligned_alloc(64, ((size_t)m * k_int * 4 + 63) / 64 * 64);
+        if (!xbuf) return -2;
+        gather_x(x, x_stride, x_bf16, k_in, perm, xbuf, m, k_int);
+        xs = xbuf;
+    }
+    const int blocks = (n + 15) / 16;
+#ifdef HAVE_AVX512
+    const int need_strip = m > MT;
+#else
+    const int need_strip = 1;
+#endif
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && blocks > 1)
+    {
+        float *strip = need_strip ? aligned_alloc(64, (size_t)k_int * 64) : 0;
+        if (need_strip && !strip) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int b = 0; b < blocks; b++)
+            if (!need_strip || strip)
+                run_block(b, xs, m, n, k_int, gs, qtype, w, scales, zeros, bias, out, out_stride, x_bf16, strip);
+        free(strip);
+    }
+    free(xbuf);
+    return failed ? -2 : 0;
+}

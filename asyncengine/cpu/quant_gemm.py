@@ -1,0 +1,142 @@
+"""Weight-only quantized linear layers on CPU through csrc/quant_gemm.c: 4-bit / 8-bit codes or float8
+e4m3 weights, dequantized in registers inside the GEMM (never a whole weight per call).
+
+A decode step on a CPU is bound by reading the weights: 4-bit codes are a quarter of bfloat16's bytes.
+`pack` takes the canonical layout (asyncengine/quantization/canonical.py: codes [N, K_int] with
+contiguous groups, per-(group, row) scales and zero points, an optional input permutation) and
+reorders it into the kernel's 16-row blocks once, at load time. bench/quant_gemm.py measures the
+kernel against bfloat16 GEMMs and against dequantize-then-matmul.
+
+ASYNCENGINE_CPU_QUANT=0 keeps the library unloaded: callers use their PyTorch fallback (A/B).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cache
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from asyncengine.cpu.build import build_library
+
+SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
+QTYPE_U4, QTYPE_U8, QTYPE_FP8 = 0, 1, 2  # the kernel's code types (canonical.QTYPE_* are the same)
+BLOCK = 16  # output rows per block: one float32 vector
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+
+
+class QuantWeight(NamedTuple):
+    """A [out, in] weight in the kernel's layout (see csrc/quant_gemm.c)."""
+
+    data: torch.Tensor  # [blocks, K_int / 2 (4-bit) or K_int, 16] uint8
+    scales: torch.Tensor  # [blocks, G, 16] float32 (e4m3: scale * 256)
+    zeros: torch.Tensor | None  # [blocks, G, 16] float32; None for e4m3
+    perm: torch.Tensor | None  # [K_int] int64 input column per internal column, -1 reads zero
+    qtype: int
+    out_features: int
+    in_features: int
+    k_int: int
+    group_size: int
+    portable: bool = False  # built without AVX-512 (tests run both)
+
+    def nbytes(self) -> int:
+        """Resident bytes of the packed weight."""
+        parts = [self.data, self.scales, self.zeros, self.perm]
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+def allowed() -> bool:
+    return os.environ.get("ASYNCENGINE_CPU_QUANT", "1") != "0"
+
+
+@cache
+def load_library(portable: bool = False) -> ctypes.CDLL | None:
+    if not allowed():
+        return None
+    lib = build_library(SOURCE, portable)
+    if lib is None:
+        return None
+    lib.qgemm.restype = _I
+    lib.qgemm.argtypes = [_P, _L, _I, _I, _P, _P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I]
+    return lib
+
+
+def available(portable: bool = False) -> bool:
+    return load_library(portable) is not None
+
+
+def _blocked(t: torch.Tensor, n: int) -> torch.Tensor:  # [G, N] -> [blocks, G, 16] float32
+    pad = -n % BLOCK
+    t = F.pad(t.float(), (0, pad)) if pad else t.float()
+    return t.unflatten(1, (-1, BLOCK)).permute(1, 0, 2).contiguous()
+
+
+def pack(
+    q: torch.Tensor,  # [N, K_int] uint8 codes (e4m3 bytes for QTYPE_FP8)
+    scales: torch.Tensor,  # [G, N]
+    zeros: torch.Tensor | None,  # [G, N]; None for e4m3
+    perm: torch.Tensor | None,  # [K_int] int64
+    in_features: int,
+    group_size: int,
+    qtype: int,
+    portable: bool = False,
+) -> QuantWeight | None:
+    """The kernel's copy of a canonical weight; None where the library cannot be built (or is turned off)."""
+    if load_library(portable) is None:
+        return None
+    n, k_int = q.shape
+    if k_int % group_size or (qtype == QTYPE_U4 and group_size % 2):
+        raise ValueError(f"K_int {k_int} must be whole groups of {group_size} (even for 4 bits)")
+    pad = -n % BLOCK
+    codes = F.pad(q, (0, 0, 0, pad)) if pad else q
+    codes = codes.view(-1, BLOCK, k_int)  # [blocks, 16, K_int]
+    if qtype == QTYPE_U4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [blocks, 16, K_int / 2]
+    data = codes.transpose(1, 2).contiguous()  # [blocks, steps, 16]
+    s = _blocked(scales, n) * (256.0 if qtype == QTYPE_FP8 else 1.0)
+    z = _blocked(zeros, n) if zeros is not None else None
+    p = perm.to(torch.int64).contiguous() if perm is not None else None
+    return QuantWeight(data, s, z, p, qtype, n, in_features, k_int, group_size, portable)
+
+
+def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """[..., in] float32 / bfloat16 -> [..., out] in x's dtype: x W^T + b, rounded once."""
+    lib = load_library(weight.portable)
+    assert lib is not None, "a QuantWeight exists only where the library loaded"
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"quantized CPU linear takes float32 or bfloat16 activations, got {x.dtype}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        bias = bias.to(x.dtype).contiguous()
+    rows = x2.shape[0]
+    out = torch.empty(rows, weight.out_features, dtype=x.dtype)
+    rc = lib.qgemm(
+        x2.data_ptr(),
+        x2.stride(0),
+        int(x.dtype == torch.bfloat16),
+        weight.in_features,
+        weight.perm.data_ptr() if weight.perm is not None else None,
+        weight.data.data_ptr(),
+        weight.scales.data_ptr(),
+        weight.zeros.data_ptr() if weight.zeros is not None else None,
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        weight.out_features,
+        weight.k_int,
+        weight.group_size,
+        weight.qtype,
+        torch.get_num_threads(),
+    )
+    if rc == -2:
+        raise MemoryError("quantized linear could not allocate its scratch memory")
+    assert rc == 0, f"qgemm returned {rc}"
+    return out.reshape(*lead, weight.out_features)

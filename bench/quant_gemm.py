@@ -1,0 +1,225 @@
+#!/usr/bin/env python
+"""Weight-only quantization on CPU, side by side in one run:
+
+1. GEMMs: the fused int8 / int4 kernel (cpu/quant_gemm.py, bfloat16 activations) against the engine's
+   bfloat16 GEMM (cpu/gemm.py: AMX tiles or oneDNN) and against dequantize-then-matmul (the PyTorch
+   fallback), at M = 1, 16, 64, 256 for the medium model's layer shapes and a 7B-sized one;
+2. decode tokens/s of the bench's medium Llama (~100M, hidden 768, 12 layers) at batch 1 and 16 as
+   bfloat16, `--quantization int8` and a GPTQ int4 checkpoint (group 128, written here), each driven
+   through a ModelRunner (bench/gpu_check.py's loop on the CPU backend), with the resident bytes of
+   the linear layers' weights per format.
+
+    python bench/quant_gemm.py                 # both parts, 1 thread
+    python bench/quant_gemm.py --skip-decode --threads 2
+Writes bench/out/quant_gemm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import OUT, build_model, load_line, machine_info, table, write_json  # noqa: E402
+
+import asyncengine  # noqa: E402, F401  (the installed package first)
+from asyncengine.cpu import gemm as cpu_gemm  # noqa: E402
+from asyncengine.cpu import quant_gemm  # noqa: E402
+from asyncengine.quantization.canonical import QTYPE_U4, QTYPE_U8, Canonical, build  # noqa: E402
+from asyncengine.quantization.packing import pack_int32  # noqa: E402
+
+SHAPES = [  # (name, N, K)
+    ("qkv 768->2304", 2304, 768),
+    ("gate_up 768->4096", 4096, 768),
+    ("down 2048->768", 768, 2048),
+    ("7B o_proj 4096->4096", 4096, 4096),
+]
+ROWS = (1, 16, 64, 256)
+GROUP = 128
+
+
+def time_ms(fn: Callable[[], object], sync: Callable[[], None] = lambda: None, seconds: float = 0.3) -> float:
+    """The fastest of repeats filling about `seconds` (after a warm-up call), in milliseconds: on a shared
+    machine the minimum is the estimate least disturbed by other work (the median picks up time slices)."""
+    fn()
+    sync()
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 200):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def canonical_weight(w: torch.Tensor, bits: int) -> Canonical:
+    """Symmetric round-to-nearest codes of w [N, K]: int8 per channel, int4 per group of 128."""
+    n, k = w.shape
+    if bits == 8:
+        scale = w.abs().amax(1) / 127
+        q = (torch.round(w / scale[:, None]).clamp(-127, 127) + 128).to(torch.uint8)
+        return build(q, torch.zeros(k, dtype=torch.int64), scale[None], torch.full((1, n), 128.0), QTYPE_U8)
+    groups = torch.arange(k) // GROUP
+    g = w.view(n, -1, GROUP)
+    scale = (2 * g.abs().amax(2) / 15).clamp(min=1e-8)  # [N, G]
+    q = (torch.round(g / scale[..., None]) + 8).clamp(0, 15).to(torch.uint8).view(n, k)
+    return build(q, groups, scale.t().contiguous(), torch.full((k // GROUP, n), 8.0), QTYPE_U4)
+
+
+def gemm_rows(threads: int) -> list[list[object]]:
+    rows: list[list[object]] = []
+    for name, n, k in SHAPES:
+        w = torch.randn(n, k) * 0.02
+        plain = w.bfloat16()
+        bf16 = cpu_gemm.prepack(plain)  # what the engine runs for a bfloat16 layer (None: F.linear)
+        packed = {}
+        for bits in (8, 4):
+            c = canonical_weight(w, bits)
+            packed[bits] = quant_gemm.pack(c.q, c.scales, c.zeros, c.perm, k, c.group_size, c.qtype)
+        fallback = canonical_weight(w, 4)
+        for m in ROWS:
+            x = torch.randn(m, k).bfloat16()
+            run_bf16 = (
+                partial(cpu_gemm.linear, x, bf16, None) if bf16 is not None else partial(F.linear, x, plain)
+            )
+            t_bf16 = time_ms(run_bf16)
+            t8 = time_ms(partial(quant_gemm.linear, x, packed[8], None))
+            t4 = time_ms(partial(quant_gemm.linear, x, packed[4], None))
+            t_deq = time_ms(partial(dequantize_then_matmul, x, fallback))
+            rows.append([name, m, t_bf16, t8, t4, t_deq, t_bf16 / t8, t_bf16 / t4, t_bf16 / t_deq])
+            print(table_row(rows[-1]), flush=True)
+    return rows
+
+
+def dequantize_then_matmul(x: torch.Tensor, weight: Canonical) -> torch.Tensor:
+    """The PyTorch fallback: the whole weight dequantized (float32, then bfloat16) for one F.linear."""
+    return F.linear(weight.gather_input(x), weight.dequantize().bfloat16())
+
+
+def table_row(row: list[object]) -> str:
+    name, m, *vals = row
+    return f"{name:<22} M={m:<4} " + " ".join(f"{v:8.3f}" for v in vals)  # type: ignore[union-attr]
+
+
+def write_gptq_checkpoint(src: Path, dst: Path) -> Path:
+    """`src` (a float Llama) as a GPTQ v1 checkpoint: 4 bits, group 128, symmetric, round to nearest."""
+    from safetensors.torch import load_file, save_file
+
+    if (dst / "model.safetensors").exists():
+        return dst
+    out = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if ".layers." in name and name.endswith("_proj.weight"):
+            c = canonical_weight(t.float(), 4)
+            prefix = name.removesuffix(".weight")
+            out[f"{prefix}.qweight"] = pack_int32(c.q[:, : t.shape[1]].t(), 4, dim=0)
+            out[f"{prefix}.qzeros"] = pack_int32(torch.full_like(c.scales, 7, dtype=torch.int32), 4, dim=1)
+            out[f"{prefix}.scales"] = c.scales.half()
+            out[f"{prefix}.g_idx"] = (torch.arange(t.shape[1]) // GROUP).to(torch.int32)
+        else:
+            out[name] = t
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def linear_weight_bytes(model_dir: Path, quantization: str | None) -> int:
+    """Resident bytes of the decoder layers' linear weights after loading (bfloat16 for plain ones)."""
+    from asyncengine.layers.parallel import ParallelContext
+    from asyncengine.models.loader import load_model
+    from asyncengine.quantization.kernels import resident_bytes
+
+    model = load_model(
+        str(model_dir), ParallelContext(), torch.bfloat16, torch.device("cpu"), quantization=quantization
+    )
+    total = 0
+    for module in model.modules():
+        if getattr(module, "quant_weight", None) is not None:
+            total += resident_bytes(module.quant_weight)
+        elif hasattr(module, "quant_method") and module.weight.numel():
+            total += module.weight.numel() * module.weight.element_size()
+    return total
+
+
+def decode_rows(steps: int) -> list[list[object]]:
+    from gpu_check import decode_throughput
+
+    medium = build_model("medium")
+    int4 = write_gptq_checkpoint(medium, medium.parent / "medium-gptq4")
+    formats = {"bf16": (medium, None), "int8": (medium, "int8"), "int4": (int4, None)}
+    sizes = {name: linear_weight_bytes(path, q) for name, (path, q) in formats.items()}
+    rows = []
+    for batch in (1, 16):
+        tok_s = {
+            name: decode_throughput(path, batch, False, steps, device="cpu", quantization=q)
+            for name, (path, q) in formats.items()
+        }
+        rows.append(
+            [
+                batch,
+                tok_s["bf16"],
+                tok_s["int8"],
+                tok_s["int4"],
+                tok_s["int8"] / tok_s["bf16"],
+                tok_s["int4"] / tok_s["bf16"],
+            ]
+        )
+        print(rows[-1], flush=True)
+    rows.append(
+        [
+            "weight MiB",
+            *(sizes[f] / 2**20 for f in ("bf16", "int8", "int4")),
+            sizes["int8"] / sizes["bf16"],
+            sizes["int4"] / sizes["bf16"],
+        ]
+    )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--skip-decode", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not quant_gemm.available():
+        print("the quantized CPU kernel could not be built (no C compiler?)")
+        return 1
+    print(load_line(machine_info()))
+    gemm = gemm_rows(args.threads)
+    print("\nGEMM, ms per call (bfloat16 activations) and speed-up over bf16:")
+    print(
+        table(
+            ["layer", "M", "bf16", "int8 fused", "int4 fused", "int4 deq+mm", "int8 x", "int4 x", "deq+mm x"],
+            gemm,
+            digits=3,
+        )
+    )
+    decode = [] if args.skip_decode else decode_rows(args.steps)
+    if decode:
+        print("\nDecode, medium model (tokens/s), and the linear layers' resident weight bytes:")
+        print(table(["batch", "bf16", "int8", "int4", "int8 x", "int4 x"], decode, digits=2))
+    write_json(
+        OUT / "quant_gemm.json",
+        {"machine": machine_info(), "threads": args.threads, "gemm": gemm, "decode": decode},
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

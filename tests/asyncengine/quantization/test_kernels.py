@@ -1,0 +1,120 @@
+"""The fused CPU kernel (AVX-512 and portable builds) and the PyTorch fallback against the dequantized
+weight, for every code type, with act-order permutations, partial groups and blocks, and M from a
+decode step's to a prefill chunk's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncengine.cpu import quant_gemm
+from asyncengine.quantization import kernels
+from asyncengine.quantization.canonical import QTYPE_FP8, QTYPE_U4, QTYPE_U8, Canonical, build
+
+pytestmark = pytest.mark.skipif(not quant_gemm.available(), reason="no C compiler")
+
+
+def random_layer(qtype: int, n: int, k: int, group: int, act_order: bool, seed: int = 0) -> Canonical:
+    gen = torch.Generator().manual_seed(seed)
+    groups = torch.arange(k) // group
+    if act_order:
+        groups = groups[torch.randperm(k, generator=gen)]
+    count = int(groups.max()) + 1
+    scales = torch.rand(count, n, generator=gen) * 0.05 + 0.01
+    if qtype == QTYPE_FP8:
+        q = (torch.randn(n, k, generator=gen) * 50).to(torch.float8_e4m3fn).view(torch.uint8)
+        return build(q, groups, scales, None, qtype)
+    top = 16 if qtype == QTYPE_U4 else 256
+    q = torch.randint(0, top, (n, k), generator=gen, dtype=torch.uint8)
+    zeros = torch.randint(0, top, (count, n), generator=gen).float()
+    return build(q, groups, scales, zeros, qtype)
+
+
+CASES = [
+    (QTYPE_U4, 40, 96, 64, False),  # partial last group, partial last 16-row block
+    (QTYPE_U4, 64, 128, 32, True),  # act-order
+    (QTYPE_U8, 33, 72, 72, False),  # per channel
+    (QTYPE_U8, 48, 128, 32, True),
+    (QTYPE_FP8, 50, 80, 80, False),  # one scale per row (per tensor / per channel)
+    (QTYPE_FP8, 32, 96, 32, False),  # block scales
+]
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+@pytest.mark.parametrize(("qtype", "n", "k", "group", "act_order"), CASES)
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 64, 200])  # <= 8: in registers; larger: dequantized strips
+def test_kernel_matches_the_dequantized_weight(portable, qtype, n, k, group, act_order, m) -> None:
+    if not quant_gemm.available(portable):
+        pytest.skip("no C compiler")
+    canon = random_layer(qtype, n, k, group, act_order)
+    weight = quant_gemm.pack(*canon_args(canon), portable=portable)
+    dense = canon.dequantize_original()  # [N, K] float32
+    x = torch.randn(m, k)
+    bias = torch.randn(n)
+    expected = x @ dense.t() + bias
+    got = quant_gemm.linear(x, weight, bias)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    # bfloat16 activations are widened exactly; the result is rounded once
+    xb, bb = x.bfloat16(), bias.bfloat16()
+    expected_b = xb.float() @ dense.t() + bb.float()
+    got_b = quant_gemm.linear(xb, weight, bb)
+    assert got_b.dtype == torch.bfloat16
+    torch.testing.assert_close(got_b.float(), expected_b, rtol=8e-3, atol=8e-3)
+
+
+def canon_args(canon: Canonical) -> tuple:
+    return (canon.q, canon.scales, canon.zeros, canon.perm, canon.in_features, canon.group_size, canon.qtype)
+
+
+def test_rows_do_not_depend_on_the_batch() -> None:
+    """A row's output is summed in one fixed order, whatever M is: decode and prefill agree bit for bit."""
+    canon = random_layer(QTYPE_U4, 64, 128, 32, True)
+    weight = quant_gemm.pack(*canon_args(canon))
+    x = torch.randn(40, 128)
+    full = quant_gemm.linear(x, weight, None)
+    for i in (0, 7, 39):
+        assert torch.equal(quant_gemm.linear(x[i : i + 1], weight, None), full[i : i + 1])
+
+
+def test_strided_rows_and_threads() -> None:
+    canon = random_layer(QTYPE_U8, 256, 512, 128, False)
+    weight = quant_gemm.pack(*canon_args(canon))
+    x = torch.randn(16, 1024)[:, ::2]  # rows 1024 apart, columns strided: copied first
+    wide = torch.randn(16, 600)[:, :512]  # rows 600 apart, contiguous columns
+    dense = canon.dequantize_original()
+    for inp in (x, wide):
+        torch.testing.assert_close(
+            quant_gemm.linear(inp, weight, None), inp @ dense.t(), rtol=1e-5, atol=1e-4
+        )
+
+
+def test_fallback_and_canonical_layout() -> None:
+    canon = random_layer(QTYPE_U4, 40, 96, 32, True)
+    assert canon.perm is not None and canon.q.shape[1] % canon.group_size == 0
+    x = torch.randn(3, 96)
+    expected = x @ canon.dequantize_original().t()
+    torch.testing.assert_close(kernels.linear(x, canon, None), expected, rtol=1e-5, atol=1e-5)  # PyTorch path
+    packed = kernels.prepare(canon, torch.device("cpu"))
+    assert isinstance(packed, quant_gemm.QuantWeight)
+    torch.testing.assert_close(kernels.linear(x, packed, None), expected, rtol=1e-5, atol=1e-5)
+    regular = random_layer(QTYPE_U4, 16, 128, 32, False)
+    assert regular.perm is None and regular.q.shape == (16, 128)  # aligned groups: no permutation
+
+
+def test_a_shard_holding_parts_of_groups_pads_each_group() -> None:
+    """A row-parallel shard of an act-order layer holds some columns of many groups: each group's columns
+    are gathered and padded to one length, padding codes meeting zero activations."""
+    gen = torch.Generator().manual_seed(3)
+    full_groups = (torch.arange(128) // 32)[torch.randperm(128, generator=gen)]
+    shard = full_groups[64:]  # rank 1 of 2
+    q = torch.randint(0, 16, (16, 64), generator=gen, dtype=torch.uint8)
+    scales, zeros = torch.rand(4, 16) + 0.1, torch.randint(0, 16, (4, 16)).float()
+    canon = build(q, shard, scales, zeros, QTYPE_U4)
+    counts = torch.bincount(shard, minlength=4)
+    assert canon.group_size == int(counts.max()) + int(counts.max()) % 2
+    assert canon.q.shape[1] == canon.group_size * int((counts > 0).sum())
+    dense = (q.float() - zeros[shard].t()) * scales[shard].t()
+    torch.testing.assert_close(canon.dequantize_original(), dense)
+    x = torch.randn(2, 64)
+    weight = quant_gemm.pack(*canon_args(canon))
+    torch.testing.assert_close(quant_gemm.linear(x, weight, None), x @ dense.t(), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,67 @@
+"""The Triton W4A16 / W8A16 GEMM against the dequantized weight (on CPU: Triton's interpreter, so the
+shapes stay tiny), with an act-order permutation, partial groups and blocks, and a bias."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (tests/conftest.py sets it too)
+
+import importlib.util
+
+import pytest
+
+from asyncengine.quantization import kernels
+from asyncengine.quantization.canonical import QTYPE_FP8, QTYPE_U4, QTYPE_U8, build
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+
+def layer(qtype: int, n: int, k: int, group: int, act_order: bool):
+    gen = torch.Generator().manual_seed(0)
+    groups = torch.arange(k) // group
+    if act_order:
+        groups = groups[torch.randperm(k, generator=gen)]
+    count = int(groups.max()) + 1
+    top = 16 if qtype == QTYPE_U4 else 256
+    q = torch.randint(0, top, (n, k), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(count, n, generator=gen) * 0.05 + 0.01
+    zeros = torch.randint(0, top, (count, n), generator=gen).float()
+    return build(q, groups, scales, zeros, qtype)
+
+
+@pytest.mark.parametrize(
+    ("qtype", "n", "k", "group", "act_order"),
+    [(QTYPE_U4, 40, 96, 64, False), (QTYPE_U4, 64, 64, 32, True), (QTYPE_U8, 24, 72, 72, False)],
+)
+@pytest.mark.parametrize("m", [1, 19])
+def test_triton_quant_gemm_matches_the_dequantized_weight(qtype, n, k, group, act_order, m) -> None:
+    from asyncengine.cuda import triton_quant_gemm
+
+    canon = layer(qtype, n, k, group, act_order)
+    args = (canon.q, canon.scales, canon.zeros, canon.perm, canon.in_features, canon.group_size, canon.qtype)
+    weight = triton_quant_gemm.pack(*args, torch.device(DEVICE))
+    assert weight is not None
+    dense = canon.dequantize_original()
+    x, bias = torch.randn(m, k), torch.randn(n)
+    got = triton_quant_gemm.linear(x.to(DEVICE), weight, bias.to(DEVICE)).cpu()
+    torch.testing.assert_close(got, x @ dense.t() + bias, rtol=1e-5, atol=1e-4)
+    if DEVICE == "cuda":  # bfloat16 activations meet bfloat16-rounded weights
+        got = triton_quant_gemm.linear(x.to(DEVICE, torch.bfloat16), weight, None).float().cpu()
+        torch.testing.assert_close(got, x @ dense.t(), rtol=3e-2, atol=3e-2)
+
+
+def test_float8_is_left_to_the_fallback() -> None:
+    from asyncengine.cuda import triton_quant_gemm
+
+    q = torch.randn(16, 32).to(torch.float8_e4m3fn).view(torch.uint8)
+    canon = build(q, torch.zeros(32, dtype=torch.int64), torch.ones(1, 16), None, QTYPE_FP8)
+    args = (canon.q, canon.scales, canon.zeros, canon.perm, canon.in_features, canon.group_size, canon.qtype)
+    assert triton_quant_gemm.pack(*args, torch.device(DEVICE)) is None
+    weight = kernels.prepare(canon, torch.device(DEVICE)) if DEVICE == "cuda" else canon
+    x = torch.randn(3, 32)
+    got = kernels.linear(x.to(DEVICE), weight, None).cpu()
+    torch.testing.assert_close(got, x @ canon.dequantize_original().t(), rtol=1e-5, atol=1e-5)
