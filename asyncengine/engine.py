@@ -15,7 +15,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from asyncengine.config import EngineConfig
 from asyncengine.errors import AsyncEngineError, EngineDeadError, EngineShutdownError, InvalidRequestError
@@ -33,7 +33,12 @@ from asyncengine.step_encoder import ENCODE_ERRORS, StepEncoder
 from asyncengine.tokenizer import eos_token_ids, load_tokenizer
 from asyncengine.transport.wire import ModelOutput, unpack_ids
 
+if TYPE_CHECKING:
+    from asyncengine.structured_output import CompiledGrammar
+
 logger = logging.getLogger(__name__)
+# a structured-output spec longer than this (its JSON) is compiled in a thread, off the event loop
+INLINE_GRAMMAR_CHARS = 4096
 
 
 class InFlight(NamedTuple):
@@ -57,7 +62,9 @@ class AsyncEngine:
             raise
         self.vocab_size = int(getattr(self.hf_config, "vocab_size", 0))
         self.eos_ids = eos_token_ids(config.model, self.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.vocab_size, self.max_model_len, self.eos_ids
+        )
         self.max_prompt_chars = self.input_processor.max_prompt_chars
         self.stats = EngineStats()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_ids, self.max_model_len, self.stats)
@@ -144,14 +151,21 @@ class AsyncEngine:
         prompt: Prompt | TokenizedPrompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> RequestState:
-        """Validates and queues a request; raises InvalidRequestError (or a subclass) on bad input."""
+        """Validates and queues a request; raises InvalidRequestError (or a subclass) on bad input.
+        `grammar`: params.structured_outputs compiled already (off the loop), else compiled here."""
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         self._check_open(request_id)
         params = self.input_processor.check_params(params)
         text, ids, max_tokens = self.input_processor.process(prompt, params)
+        if grammar is None and params.structured_outputs is not None:
+            grammar = self.input_processor.compile_grammar(params)
         arrival = next(self._seq_ids)
         seqs = [Sequence(next(self._seq_ids), i, ids, params, max_tokens, arrival) for i in range(params.n)]
+        if grammar is not None:
+            for seq in seqs:
+                seq.grammar = grammar.matcher(params.stop_token_ids)
         state = RequestState(request_id, text, ids, params, seqs)
         self.output_processor.add_request(state)
         for seq in seqs:
@@ -169,22 +183,35 @@ class AsyncEngine:
         A prompt of over INLINE_TOKENIZE_CHARS characters is tokenized in a thread, so that it never
         holds up other requests' tokens; its tokenizer errors then raise at the first iteration.
         """
-        if isinstance(prompt, str) and len(prompt) > INLINE_TOKENIZE_CHARS:
+        long_prompt = isinstance(prompt, str) and len(prompt) > INLINE_TOKENIZE_CHARS
+        if long_prompt or self._large_grammar(params):
             request_id = request_id if request_id is not None else uuid.uuid4().hex
             self._check_open(request_id)
             params = self.input_processor.check_params(params)
-            self.input_processor.check_prompt_chars(prompt)
-            return self._tokenize_then_stream(prompt, params, request_id)
+            if isinstance(prompt, str):
+                self.input_processor.check_prompt_chars(prompt)
+            return self._prepare_then_stream(prompt, params, request_id)
         return self._stream(self.add_request(prompt, params, request_id))
 
-    async def _tokenize_then_stream(
-        self, prompt: str, params: SamplingParams, request_id: str
+    async def _prepare_then_stream(
+        self, prompt: Prompt, params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        ids = await asyncio.to_thread(self.input_processor.encode, prompt)
-        stream = self._stream(self.add_request(TokenizedPrompt(prompt, ids), params, request_id))
+        """A long prompt's tokenizing and a large grammar's compiling, in a thread; then the stream."""
+        if isinstance(prompt, str) and len(prompt) > INLINE_TOKENIZE_CHARS:
+            prompt = TokenizedPrompt(prompt, await asyncio.to_thread(self.input_processor.encode, prompt))
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = await asyncio.to_thread(self.input_processor.compile_grammar, params)
+        stream = self._stream(self.add_request(prompt, params, request_id, grammar))
         async with contextlib.aclosing(stream):  # closing early aborts the request, as for _stream
             async for out in stream:
                 yield out
+
+    # -- structured output ------------------------------------------------------------------------
+    @staticmethod
+    def _large_grammar(params: SamplingParams | None) -> bool:
+        spec = params.structured_outputs if params is not None else None
+        return spec is not None and len(spec.cache_key()) > INLINE_GRAMMAR_CHARS
 
     async def _stream(self, state: RequestState) -> AsyncIterator[RequestOutput]:
         try:

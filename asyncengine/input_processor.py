@@ -3,11 +3,15 @@ anything is queued; every refusal is an InvalidRequestError that names what is w
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from asyncengine.errors import InvalidRequestError
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.tokenizer import max_token_chars
+
+if TYPE_CHECKING:
+    from asyncengine.structured_output import CompiledGrammar, GrammarCompiler
 
 Prompt = str | list[int]
 INLINE_TOKENIZE_CHARS = 4096  # shorter prompts tokenize on the loop (well under a millisecond)
@@ -27,10 +31,14 @@ class ProcessedPrompt(NamedTuple):
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any | None, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer: Any | None, vocab_size: int, max_model_len: int, eos_ids: Iterable[int] = ()
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.eos_ids = set(eos_ids)
+        self.grammar_compiler: GrammarCompiler | None = None  # built at the first structured request
         # no token is longer than this many characters, so a longer prompt cannot fit max_model_len:
         # refused before any tokenizing, which costs seconds on megabytes
         self.max_prompt_chars = max_model_len * max_token_chars(tokenizer)
@@ -60,6 +68,18 @@ class InputProcessor:
             return self.tokenizer.encode(prompt)
         except TypeError:  # the Rust tokenizer refuses what UTF-8 cannot hold: lone surrogates ("\ud800")
             raise InvalidRequestError("the prompt is not valid Unicode (a lone surrogate?)") from None
+
+    def compile_grammar(self, params: SamplingParams) -> CompiledGrammar:
+        """params.structured_outputs compiled for this tokenizer (cached); StructuredOutputError naming the
+        field when it cannot be. Thread-safe: the engine compiles large ones off the event loop."""
+        assert params.structured_outputs is not None
+        if self.grammar_compiler is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs a tokenizer; this model has none")
+            from asyncengine.structured_output import GrammarCompiler  # llguidance: only once it is used
+
+            self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size or None, self.eos_ids)
+        return self.grammar_compiler.compile(params.structured_outputs)
 
     def process(self, prompt: Prompt | TokenizedPrompt, params: SamplingParams) -> ProcessedPrompt:
         text: str | None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from asyncengine.transport.wire import TokenLogprobs
 
 if TYPE_CHECKING:
     from asyncengine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -116,6 +119,7 @@ class OutputProcessor:
         if seq.detokenizer is not None:
             seq.detokenizer.append(token)
         may_stop = n_out >= params.min_tokens
+        grammar_done = seq.grammar is not None and self._advance_grammar(seq, token)
         if may_stop and not params.ignore_eos and token in self.eos_ids:
             seq.finish_reason = "stop"
         elif may_stop and token in params.stop_token_ids:
@@ -127,10 +131,30 @@ class OutputProcessor:
                 end = idx + len(stop) if params.include_stop_str_in_output else idx
                 seq.detokenizer.text = seq.detokenizer.text[:end]
                 seq.finish_reason, seq.stop_reason = "stop", stop
+        if seq.finish_reason is None and grammar_done:
+            seq.finish_reason = "stop"  # the output is complete: only EOS could follow
         if seq.finish_reason is None and (n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
             seq.finish_reason = "length"
         if seq.finish_reason is not None and seq.detokenizer is not None and seq.stop_reason is None:
             seq.detokenizer.flush()
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> bool:
+        """Feeds the grammar the sampled token; True when the output is complete (nothing but EOS may
+        follow). The mask allowed only tokens the grammar accepts, so a refusal is a bug: logged, and
+        the grammar is dropped rather than the request failed."""
+        grammar = seq.grammar
+        assert grammar is not None
+        if not grammar.accept_token(token):
+            logger.error(
+                "sequence %d: token %d was sampled outside its grammar (%s); the rest is unconstrained",
+                seq.seq_id,
+                token,
+                grammar.error or "refused",
+            )
+            seq.grammar = None
+            return False
+        return grammar.is_stopped()
 
     def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         out: dict[int, Logprob] = {}

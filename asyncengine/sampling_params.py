@@ -8,6 +8,7 @@ import math
 import msgspec
 
 from asyncengine.errors import InvalidRequestError
+from asyncengine.structured_output.spec import StructuredOutputsParams
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
@@ -51,6 +52,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    # constrain the output to a JSON schema, regex, choice or grammar (vLLM's structured_outputs)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI lets `stop` be one string
@@ -150,6 +153,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             check(isinstance(getattr(self, name), bool), f"{name} must be true or false", name)
         check(isinstance(self.output_kind, OutputKind), "output_kind must be an OutputKind", "output_kind")
+        if self.structured_outputs is not None:
+            check(
+                isinstance(self.structured_outputs, StructuredOutputsParams),
+                "structured_outputs must be a StructuredOutputsParams",
+                "structured_outputs",
+            )
+            self.structured_outputs.validate()  # StructuredOutputError (a 400) naming the field
 
     @classmethod
     def from_dict(cls, fields: dict) -> SamplingParams:

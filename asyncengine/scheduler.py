@@ -225,8 +225,8 @@ class Scheduler:
     def _drafts(self, seq: Sequence, budget: int, per_seq: int) -> list[int]:
         """Draft tokens for a decoding sequence: none past max_tokens or max_model_len (the step samples
         one token more than it has drafts) or past this batch's token budget."""
-        if not per_seq or self.proposer is None or not self.proposer.eligible(seq):
-            return []
+        if not per_seq or self.proposer is None or seq.grammar is not None or not self.proposer.eligible(seq):
+            return []  # a grammar's mask holds for the next token only: no drafts to verify past it
         limit = min(budget, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         return self.proposer.propose(seq, min(limit, per_seq))
 
@@ -235,6 +235,7 @@ class Scheduler:
         and only if that token cannot be its last by length (no step for a token past the end)."""
         return (
             self.run_ahead
+            and seq.grammar is None  # its next mask needs the token this step samples
             and seq.num_inflight_steps == 1
             and seq.num_pending_samples == 1
             and seq.num_output_tokens + 1 < seq.max_tokens

@@ -10,6 +10,7 @@ from asyncengine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from asyncengine.detokenizer import IncrementalDetokenizer
     from asyncengine.step_encoder import WorkerCopy
+    from asyncengine.structured_output import GrammarMatcher
 
 
 class SequenceStatus(enum.IntEnum):
@@ -52,6 +53,9 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.detokenizer: IncrementalDetokenizer | None = None
+        # structured output: the grammar state after its accepted tokens; the next token's mask comes
+        # from it, so such a sequence never runs ahead of its sampled token
+        self.grammar: GrammarMatcher | None = None
         self.num_streamed_tokens = 0  # for DELTA outputs
         self.num_streamed_chars = 0
 

@@ -97,7 +97,16 @@ class StepEncoder:
             copy.num_blocks = len(seq.block_ids)
             if samples and self.run_ahead:
                 copy.num_tokens += 1  # the worker appends what it samples itself
-        request = ExecuteModelRequest(step_id, new_seqs, cached, sched.dropped_seq_ids)
+        # the masks of constrained sequences that sample (their grammar has seen every token before it)
+        masked = [item.seq for item in sched.scheduled if item.samples and item.seq.grammar is not None]
+        request = ExecuteModelRequest(
+            step_id,
+            new_seqs,
+            cached,
+            sched.dropped_seq_ids,
+            [seq.seq_id for seq in masked],
+            b"".join(seq.grammar.bitmask() for seq in masked),  # type: ignore[union-attr]
+        )
         return EncodedStep(request, new_items, cached_items)
 
     def options(self, seq: Sequence) -> SamplingOptions:
@@ -144,11 +153,19 @@ class StepEncoder:
     def without(step: EncodedStep, drop: set[int]) -> EncodedStep:
         """The step without the sequences whose ids are in `drop`."""
         r = step.request
+        grammar_ids, grammar_bitmask = r.grammar_seq_ids, r.grammar_bitmask
+        if grammar_ids and drop & set(grammar_ids):
+            width = len(r.grammar_bitmask) // len(r.grammar_seq_ids)
+            keep = [i for i, s in enumerate(r.grammar_seq_ids) if s not in drop]
+            grammar_ids = [r.grammar_seq_ids[i] for i in keep]
+            grammar_bitmask = b"".join(r.grammar_bitmask[i * width : (i + 1) * width] for i in keep)
         request = ExecuteModelRequest(
             r.step_id,
             [s for s in r.new_seqs if s.seq_id not in drop],
             [s for s in r.cached_seqs if s.seq_id not in drop],
             r.finished_seq_ids,
+            grammar_ids,
+            grammar_bitmask,
         )
         return EncodedStep(
             request,

@@ -71,6 +71,10 @@ class ExecuteModelRequest(msgspec.Struct, tag="step", **HOT):
     new_seqs: list[NewSeq] = []
     cached_seqs: list[CachedSeq] = []
     finished_seq_ids: list[int] = []  # drop their state (finished, aborted or preempted)
+    # structured output: the sequences whose sampled token is masked this step, and their masks, one row
+    # each in that order, of little-endian int32 words (bit t of the row: token t is allowed)
+    grammar_seq_ids: list[int] = []
+    grammar_bitmask: bytes = b""
 
 
 class InitWorker(msgspec.Struct, tag="init", array_like=True):

@@ -20,10 +20,25 @@ from asyncengine.cpu import gemm as cpu_gemm
 from asyncengine.cpu.kernel_graph import KernelGraphRunner, kernel_graphs_apply
 from asyncengine.cuda.graph_runner import GraphRunner, ModelInputs
 from asyncengine.layers.attention import Attention, AttentionMetadata, forward_context
+from asyncengine.layers.grammar_mask import apply_token_bitmask_, bitmask_from_bytes
 from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
 from asyncengine.layers.sampler import Sampler, SamplerOutput, SamplingRow
 from asyncengine.models.loader import load_model
 from asyncengine.worker.input_batch import SeqState, StepBatch
+
+
+def mask_logits(
+    logits: torch.Tensor, sampling_seqs: list[SeqState], seq_ids: list[int], bitmask: bytes
+) -> None:
+    """Structured output: -inf on the logits row of each masked sequence wherever its grammar disallows
+    the token (a constrained sequence samples one row: it never carries drafts)."""
+    row_of = {state.seq_id: i for i, state in enumerate(sampling_seqs)}
+    present = [(row_of[s], k) for k, s in enumerate(seq_ids) if s in row_of]
+    if not present:
+        return
+    masks = bitmask_from_bytes(bitmask, len(seq_ids))  # [len(seq_ids), words]
+    rows = [r for r, _ in present]
+    apply_token_bitmask_(logits, masks[[k for _, k in present]], rows)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -227,9 +242,15 @@ class ModelRunner:
     # -- execution --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(
-        self, model_input: ModelInput, intermediate: IntermediateTensors | None, sample: bool = True
+        self,
+        model_input: ModelInput,
+        intermediate: IntermediateTensors | None,
+        sample: bool = True,
+        grammar: tuple[list[int], bytes] | None = None,
     ) -> IntermediateTensors | SamplerOutput | None:
-        """Runs the shard; on the last stage returns the sampled tokens (None where `sample` is False)."""
+        """Runs the shard; on the last stage returns the sampled tokens (None where `sample` is False).
+        `grammar`: (seq ids, packed bitmask rows) of the structured-output sequences, whose logits are
+        masked to their grammars' allowed tokens before sampling."""
         meta = model_input.meta
         if self.graph_runner is not None and intermediate is None and meta.is_decode_only:
             self._decode_meta = meta
@@ -253,6 +274,8 @@ class ModelRunner:
         logits = self.model.compute_logits(out[model_input.logits_indices])  # [num_sampled, vocab]
         if not sample:  # other TP ranks join compute_logits' all-gather but leave sampling to rank 0
             return None
+        if grammar is not None and grammar[0]:
+            mask_logits(logits, model_input.sampling_seqs, *grammar)
         return self.sampler(logits, model_input.sampling_rows)
 
     @torch.inference_mode()

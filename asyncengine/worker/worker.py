@@ -132,7 +132,8 @@ class Worker:
                 model.intermediate_names, batch.num_tokens, model.hidden_size, self.dtype
             )
         sample = self.topology.is_driver or self.appends_samples
-        out = self.model_runner.execute_model(model_input, intermediate, sample=sample)
+        grammar = (req.grammar_seq_ids, req.grammar_bitmask) if req.grammar_seq_ids else None
+        out = self.model_runner.execute_model(model_input, intermediate, sample=sample, grammar=grammar)
         self.input_batch.mark_computed(batch)
         if self.appends_samples:
             assert isinstance(out, SamplerOutput)
