@@ -63,6 +63,8 @@ MODEL_SPECS: dict[str, dict[str, int]] = {
         max_position_embeddings=1024,
     ),
 }
+# medium's weights (same seed) with room for bench/sweep.py's 2048-token prompts + 512-token outputs
+MODEL_SPECS["medium4k"] = {**MODEL_SPECS["medium"], "max_position_embeddings": 4096}
 
 
 def build_model(name: str, root: Path = MODELS) -> Path:

