@@ -72,6 +72,49 @@ def test_two_nodes_over_tcp_equal_hf(cluster, tiny_model_factory) -> None:  # no
     assert not live_groups()
 
 
+def test_data_parallel_replicas_across_nodes(cluster, tiny_model_factory) -> None:  # noqa: ANN001
+    """-dp 2 on the two 1-CPU nodes: each replica's placement group lands on its own node (over TCP), both
+    serve, and the outputs equal HF's."""
+    from asyncengine.dp_engine import DataParallelEngine, start_engine
+
+    model = tiny_model_factory("llama", num_hidden_layers=4)
+    prompts = [[5, 9, 2, 44, 17], [3, 8, 70], [11, 12, 13], [40, 41]]
+
+    async def run() -> list[list[int]]:
+        engine = await start_engine(
+            EngineConfig(
+                model=str(model),
+                dtype="float32",
+                num_threads=1,
+                num_kv_blocks=64,
+                data_parallel_size=2,
+                distributed_executor_backend="ray",
+            )
+        )
+        assert isinstance(engine, DataParallelEngine)
+        try:
+            nodes = {
+                ray.util.placement_group_table(r.executor.launcher.groups[0])["bundles_to_node_id"][0]
+                for r in engine.replicas
+            }
+            assert len(nodes) == 2  # one replica per node
+            assert all(r.executor.endpoints.is_tcp for r in engine.replicas)
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+            async def one(p: list[int]) -> list[int]:
+                return [o async for o in engine.generate(p, params)][-1].outputs[0].token_ids
+
+            got = await asyncio.gather(*(one(p) for p in prompts))
+            assert all(n > 0 for n in engine.routed)
+            return got
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(run()) == hf_greedy(model, prompts, 6)
+    assert not live_groups()
+
+
+# last: it removes a node from the module's cluster
 def test_losing_a_node_fails_the_stream_within_the_bound(cluster, tiny_model_factory) -> None:  # noqa: ANN001
     c, nodes = cluster
     model = tiny_model_factory("llama", num_hidden_layers=2, max_position_embeddings=4096)
