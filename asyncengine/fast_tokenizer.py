@@ -238,16 +238,19 @@ class FastTokenizer:
     ) -> Any:
         """Renders one conversation as transformers does (same Jinja environment, special tokens and
         arguments). tokenize=True returns the token ids when return_dict=False is given; otherwise
-        (a BatchEncoding), and for tools, documents, batches, named templates or
-        continue_final_message, transformers' own method runs."""
+        (a BatchEncoding), and for documents, batches, named templates, continue_final_message or
+        tools that are not all dicts (functions, which transformers converts to schemas), transformers'
+        own method runs. Dict tools reach the template as given, as transformers passes them."""
         simple = (
             isinstance(conversation, (list, tuple))
             and conversation
             and all(isinstance(m, dict) for m in conversation)
             and (not tokenize or kwargs.get("return_dict") is False)
         )
+        tools = kwargs.get("tools")
+        dict_tools = isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)
         hf_args = (
-            "tools",
+            *(() if tools is None or dict_tools else ("tools",)),
             "documents",
             "chat_template",
             "continue_final_message",
@@ -266,10 +269,10 @@ class FastTokenizer:
             return self._transformers().apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kwargs
             )
-        template_kwargs = {k: v for k, v in kwargs.items() if k not in (*hf_args, "return_dict")}
+        template_kwargs = {k: v for k, v in kwargs.items() if k not in (*hf_args, "tools", "return_dict")}
         text = _compiled_template(self.chat_template).render(
             messages=list(conversation),
-            tools=None,
+            tools=list(tools) if tools is not None else None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **{**self.special_tokens_map, **template_kwargs},

@@ -85,10 +85,37 @@ HELDOUT_MODULUS = 50  # 1 file in 50, i.e. ~2 %, is held out
 TEST_SLICE_WINDOWS = 8
 TEST_SLICE_SEQ_LEN = 256
 
+# ChatML; with `tools`, Hermes / Qwen2.5's tool format: the definitions in a system message's <tools>
+# block (after the chat's own system message, if any), an assistant's calls as <tool_call> JSON, tool
+# results as <tool_response>; so a server's "hermes" tool-call parser reads the model's calls. A chat
+# without tools or tool messages renders exactly as plain ChatML.
+TOOLS_PREAMBLE = (
+    "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
+)
+TOOLS_POSTSCRIPT = (
+    "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n'
+)
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '" + TOOLS_PREAMBLE + "' }}"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '" + TOOLS_POSTSCRIPT + "' }}{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant' }}{% if message['content'] %}{{ '\\n' + message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}{% set f = call['function'] if call['function'] is defined "
+    "else call %}{{ '\\n<tool_call>\\n' }}{{ {'name': f['name'], 'arguments': f['arguments']} | tojson }}"
+    "{{ '\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>tool\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
@@ -452,8 +479,9 @@ A file is held out iff `sha256(relative path) % {c["heldout_modulus"]} == 0`.
 
 Byte-level BPE (`tokenizers`), vocab {log["tokenizer"]["vocab_size"]}, trained on the training files.
 Special tokens: `<|endoftext|>` (id 0; bos, eos and pad), `<|im_start|>` (1), `<|im_end|>` (2).
-No BOS is added on encode. A ChatML `chat_template` is in `tokenizer_config.json`; the chat
-tokens were never seen in training.
+No BOS is added on encode. A ChatML `chat_template` is in `tokenizer_config.json` (with `tools`,
+Hermes-style `<tools>`, `<tool_call>` and `<tool_response>` blocks); the chat tokens, and any
+tool call, were never seen in training.
 
 ## Architecture
 

@@ -18,6 +18,8 @@ from asyncengine.entrypoints.config_args import add_engine_args, config_from_arg
 from asyncengine.entrypoints.logging_config import LOG_LEVELS, configure_logging
 from asyncengine.errors import AsyncEngineError
 
+# --tool-call-parser's values (vLLM's names); tool_parsers.pick_parser knows each but "auto" (the template's)
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
 DESCRIPTION = (
     "An LLM inference engine: `asyncengine serve` serves the OpenAI API and a websocket on "
     "http://127.0.0.1:8000; without --model it serves the bundled default model, a toy that "
@@ -211,6 +213,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=_env_flag("access_log"),
         help="log every HTTP request (client, method, path, status)",
     )
+    g.add_argument(
+        "--tool-call-parser",
+        default=_env("tool_call_parser", "auto"),
+        choices=TOOL_CALL_PARSERS,
+        help="how tool_choice 'auto' finds the model's tool calls in its text: hermes (<tool_call> "
+        "tags: Hermes, Qwen), llama3_json (Llama 3's JSON), none (never: the text is the answer), or "
+        "auto (the one the chat template writes; none if it writes neither)",
+    )
     # a client that does not read its output: its requests are aborted and it is closed
     g.add_argument(
         "--max-unsent-bytes",
@@ -308,6 +318,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         connections,
         policy,
         args.log_stats_interval,
+        args.tool_call_parser,
     )
     return run(config, opts)
 

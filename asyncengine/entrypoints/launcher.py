@@ -56,6 +56,7 @@ class ServeOptions:
         "127.0.0.1"
     )  # Host and Origin checks (OriginPolicy.for_bind)
     log_stats_interval: float = DEFAULT_INTERVAL_S  # seconds between throughput lines while busy (0: none)
+    tool_call_parser: str = "auto"  # how tool_choice "auto" reads calls; "auto": by the chat template
 
 
 class EngineDied(Exception):
@@ -140,7 +141,9 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
     """Runs the server until a signal; returns the exit code."""
     check_devices(config)
     sock = bind(opts.host, opts.port)
-    app = build_app(None, opts.api_key, opts.limits, opts.served_model_name, opts.policy)
+    app = build_app(
+        None, opts.api_key, opts.limits, opts.served_model_name, opts.policy, opts.tool_call_parser
+    )
     state = app.state.server
     uv_config = uvicorn.Config(
         app,

@@ -23,6 +23,7 @@ from pydantic.json_schema import models_json_schema
 from asyncengine.engine import AsyncEngine, Prompt
 from asyncengine.entrypoints import small_routes
 from asyncengine.entrypoints.api_errors import error_body, message_of, param_of, status_of
+from asyncengine.entrypoints.chat_tools import tool_calling
 from asyncengine.entrypoints.openai_format import ChatFormat, CompletionFormat, Format
 from asyncengine.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -125,7 +126,7 @@ async def completions(request: Request) -> Response:
     req = parse_request(CompletionRequest, await request.body())
     engine = state.require_engine()
     model = check_model(state, engine, req.model)
-    params = req.sampling_params()
+    params = await _sampling_params(req)
     prompts = req.prompts()
     return await _serve(
         request,
@@ -148,15 +149,17 @@ async def completions(request: Request) -> Response:
     dependencies=[Depends(bearer)],
 )
 async def chat_completions(request: Request) -> Response:
-    """OpenAI's chat completions (text only), with vLLM's sampling and chat-template extras."""
+    """OpenAI's chat completions (text only), with tool calling, structured output, and vLLM's sampling and
+    chat-template extras."""
     state = server_state(request)
     req = parse_request(ChatCompletionRequest, await request.body())
     engine = state.require_engine()
     model = check_model(state, engine, req.model)
-    params = req.sampling_params()
+    params = await _sampling_params(req)
+    tools = tool_calling(req, getattr(engine.tokenizer, "chat_template", None), state.tool_call_parser)
     # a template over long messages and their tokenizing take a while: off the loop, other streams go on
     prompt = await asyncio.to_thread(render_chat, engine, req)
-    fmt = ChatFormat(engine, req.top_logprobs or 0 if req.logprobs else None)
+    fmt = ChatFormat(engine, req.top_logprobs or 0 if req.logprobs else None, tools)
     return await _serve(
         request,
         state,
@@ -168,6 +171,11 @@ async def chat_completions(request: Request) -> Response:
         req.include_usage,
         fmt,
     )
+
+
+async def _sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    # checking a constraint compiles it, which takes a while for a large one: off the loop, streams go on
+    return await asyncio.to_thread(req.sampling_params) if req.constrains else req.sampling_params()
 
 
 async def _serve(
@@ -229,9 +237,8 @@ async def _events(
                 completion_tokens += len(c.token_ids)
                 if c.finish_reason is not None:
                     finished.add(index)
-                elif not c.text and not (c.token_ids and (fmt.has_logprobs or fmt.token_ids)):
-                    continue  # nothing to show yet (e.g. half a UTF-8 character is held back)
-                yield sse(fmt.chunk(request_id, created, model, index, c))
+                for chunk in fmt.chunks(request_id, created, model, index, c):
+                    yield sse(chunk)
         if include_usage:
             total = usage(sum(prompt_tokens.values()), completion_tokens)
             yield sse(fmt.usage_chunk(request_id, created, model, total))

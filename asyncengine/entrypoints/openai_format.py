@@ -1,11 +1,12 @@
 """How the completions and chat completions routes spell their answers: whole responses, streamed chunks
-and the usage chunk, with OpenAI's two logprobs formats."""
+and the usage chunk, with OpenAI's two logprobs formats, and chat's tool calls (chat_tools.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from asyncengine.engine import AsyncEngine
+from asyncengine.entrypoints.chat_tools import ToolCalling, delta_dicts, finish_reason
 from asyncengine.entrypoints.openai_responses import (
     ChatChoice,
     ChatCompletionChunk,
@@ -21,6 +22,7 @@ from asyncengine.entrypoints.openai_responses import (
     usage,
 )
 from asyncengine.entrypoints.streams import MIN_LOGPROB, clamp
+from asyncengine.entrypoints.tool_parsers import ToolCallStream
 from asyncengine.outputs import CompletionOutput, Logprob
 
 
@@ -81,7 +83,8 @@ class Format:
     def full(self, request_id: str, created: int, model: str, finals: list, n: int) -> Any:
         raise NotImplementedError
 
-    def chunk(self, request_id: str, created: int, model: str, index: int, c: CompletionOutput) -> str:
+    def chunks(self, request_id: str, created: int, model: str, index: int, c: CompletionOutput) -> list[str]:
+        """The JSON chunks (maybe none) that one output of choice `index` streams."""
         raise NotImplementedError
 
     def usage_chunk(self, request_id: str, created: int, model: str, total: Any) -> str:
@@ -126,7 +129,10 @@ class CompletionFormat(Format):
             usage=usage(prompt_tokens, completion_tokens),
         )
 
-    def chunk(self, request_id: str, created: int, model: str, index: int, c: CompletionOutput) -> str:
+    def chunks(self, request_id: str, created: int, model: str, index: int, c: CompletionOutput) -> list[str]:
+        shows_ids = c.token_ids and (self.has_logprobs or self.token_ids)
+        if c.finish_reason is None and not c.text and not shows_ids:
+            return []  # nothing to show yet (e.g. half a UTF-8 character is held back)
         choice = CompletionChoice(
             index=index,
             text=c.text,
@@ -134,9 +140,8 @@ class CompletionFormat(Format):
             finish_reason=c.finish_reason,
             token_ids=list(c.token_ids) if self.token_ids else None,
         )
-        return CompletionResponse(
-            id=request_id, created=created, model=model, choices=[choice]
-        ).model_dump_json()
+        chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
+        return [chunk.model_dump_json()]
 
     def usage_chunk(self, request_id: str, created: int, model: str, total: Any) -> str:
         return CompletionResponse(
@@ -145,45 +150,83 @@ class CompletionFormat(Format):
 
 
 class ChatFormat(Format):
-    def __init__(self, engine: AsyncEngine, top_logprobs: int | None) -> None:
+    def __init__(
+        self, engine: AsyncEngine, top_logprobs: int | None, tools: ToolCalling | None = None
+    ) -> None:
         super().__init__(engine)
         self.top_logprobs = top_logprobs
         self.has_logprobs = top_logprobs is not None
+        self.tools = tools
         self.started: set[int] = set()
+        self.streams: dict[int, ToolCallStream] = {}  # per choice, with tools
 
     def _lp(self, c: CompletionOutput) -> ChatLogprobs | None:
         return None if self.top_logprobs is None else chat_logprobs(c, self.engine, self.top_logprobs)
 
+    def _choice(self, c: CompletionOutput) -> ChatChoice:
+        message, has_calls = (
+            (ChatResponseMessage(content=c.text), False) if self.tools is None else self.tools.message(c.text)
+        )
+        return ChatChoice(
+            index=c.index,
+            message=message,
+            logprobs=self._lp(c),
+            finish_reason=finish_reason(c.finish_reason, has_calls),
+        )
+
     def full(self, request_id: str, created: int, model: str, finals: list, n: int) -> ChatCompletionResponse:
         out = finals[0]
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=c.text),
-                logprobs=self._lp(c),
-                finish_reason=c.finish_reason,
-            )
-            for c in out.outputs
-        ]
         return ChatCompletionResponse(
             id=request_id,
             created=created,
             model=model,
-            choices=choices,
+            choices=[self._choice(c) for c in out.outputs],
             usage=usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)),
         )
 
-    def chunk(self, request_id: str, created: int, model: str, index: int, c: CompletionOutput) -> str:
-        delta = {"content": c.text}
+    def chunks(self, request_id: str, created: int, model: str, index: int, c: CompletionOutput) -> list[str]:
+        deltas, reason = self._deltas(index, c)
+        logprobs = self._lp(c)
+        if not deltas and reason is None and not (c.token_ids and logprobs is not None):
+            return []  # nothing to show yet (half a UTF-8 character, text a tool parser holds back)
+        empty: dict[str, Any] = {"content": ""} if self.tools is None else {}
+        if not deltas:  # the end, or logprobs of tokens whose text is held back
+            deltas = [dict(empty)]
+        choices = []
         if index not in self.started:  # the first chunk of a choice names the role
+            # NOTE: choices below this one that have not started (their text held back) name theirs first:
+            # the openai SDK's stream accumulator takes a choice's first chunk as its list position
+            for earlier in range(index):
+                if earlier not in self.started:
+                    self.started.add(earlier)
+                    choices.append(ChatStreamChoice(index=earlier, delta={"role": "assistant", **empty}))
             self.started.add(index)
-            delta = {"role": "assistant", "content": c.text}
-        choice = ChatStreamChoice(
-            index=index, delta=delta, logprobs=self._lp(c), finish_reason=c.finish_reason
-        )
-        return ChatCompletionChunk(
-            id=request_id, created=created, model=model, choices=[choice]
-        ).model_dump_json()
+            deltas[0] = {"role": "assistant", **deltas[0]}
+        for i, delta in enumerate(deltas):
+            choices.append(
+                ChatStreamChoice(
+                    index=index,
+                    delta=delta,
+                    logprobs=logprobs if i == 0 else None,
+                    finish_reason=reason if i == len(deltas) - 1 else None,
+                )
+            )
+        return [
+            ChatCompletionChunk(id=request_id, created=created, model=model, choices=[ch]).model_dump_json()
+            for ch in choices
+        ]
+
+    def _deltas(self, index: int, c: CompletionOutput) -> tuple[list[dict[str, Any]], str | None]:
+        """Choice `index`'s deltas for output `c`, and its finish reason (None until it finishes)."""
+        if self.tools is None:
+            return ([{"content": c.text}] if c.text else []), c.finish_reason
+        stream = self.streams.get(index)
+        if stream is None:
+            stream = self.streams[index] = self.tools.stream()
+        deltas = stream.feed(c.text) if c.text else []
+        if c.finish_reason is not None:
+            deltas += stream.finish()
+        return delta_dicts(deltas), finish_reason(c.finish_reason, stream.num_calls > 0)
 
     def usage_chunk(self, request_id: str, created: int, model: str, total: Any) -> str:
         return ChatCompletionChunk(

@@ -8,7 +8,9 @@ hints, accepted and ignored (`user`, `metadata`, `store`, ...), or accepted only
 (what asking for nothing looks like: `echo: false`, `audio: null`) and otherwise refused with a 400 that
 names them (see `NEUTRAL`). Types are strict, as OpenAI's are: `"4"`, `true` and `2.0` are no integers (an
 integer passes as a float); ranges are SamplingParams' own checks, which name the field. OpenAI's
-nullable fields take null as "the default".
+nullable fields take null as "the default". Structured output (response_format, vLLM's
+structured_outputs and its guided_* aliases) and tools are checked by asyncengine.structured_output and
+tool_parsers, whose errors name the offending part (`response_format.json_schema.schema`, `tools[0]...`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from pydantic import Field, StrictInt
 
 from asyncengine.entrypoints.api_errors import ApiError
 from asyncengine.entrypoints.request_model import RequestModel
+from asyncengine.entrypoints.tool_parsers import tool_choice_structured_outputs
+from asyncengine.entrypoints.tool_protocol import ToolDefinition, tool_dicts
+from asyncengine.errors import InvalidRequestError
 from asyncengine.sampling_params import OutputKind, SamplingParams, SamplingParamsError
+from asyncengine.structured_output import StructuredOutputsParams, structured_outputs_from_request
 
 MAX_PROMPTS = 256  # prompts in one batched /v1/completions request
 
@@ -45,11 +51,6 @@ _VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "return_tokens_as_token_ids": (None, False),
     "priority": (0,),
     "cache_salt": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
 }
 
 
@@ -91,11 +92,16 @@ class SamplingFields(RequestModel):
     return_tokens_as_token_ids: bool | None = None
     priority: int = 0
     cache_salt: str | None = None
+    # structured output: vLLM's object, and its older aliases (one spelling per request, or a 400)
+    structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
+    guided_whitespace_pattern: str | None = None
+    # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}; checked by
+    # structured_outputs_from_request, which names the offending part (response_format.json_schema.schema)
+    response_format: dict[str, Any] | None = None
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -106,7 +112,33 @@ class SamplingFields(RequestModel):
         if self.stream_options is not None:
             self.stream_options.check_neutral()
 
-    def to_params(self, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
+    @property
+    def constrains(self) -> bool:
+        """Whether the request may carry a constraint, whose checking compiles it (0.3 s for a 250 KB
+        schema): then the routes build its params off the event loop."""
+        fields = (self.structured_outputs, self.response_format, self.guided_json, self.guided_regex)
+        fields += (self.guided_choice, self.guided_grammar, self.guided_whitespace_pattern)
+        return any(f is not None for f in fields)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint of whichever spelling the request used (validated: it compiles)."""
+        return structured_outputs_from_request(
+            self.structured_outputs,
+            self.response_format,
+            guided_json=self.guided_json,
+            guided_regex=self.guided_regex,
+            guided_choice=self.guided_choice,
+            guided_grammar=self.guided_grammar,
+            guided_whitespace_pattern=self.guided_whitespace_pattern,
+        )
+
+    def to_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        stream: bool,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         fields: dict[str, Any] = {
             "n": 1 if self.n is None else self.n,
             "max_tokens": max_tokens,
@@ -119,6 +151,7 @@ class SamplingFields(RequestModel):
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             "stop_token_ids": list(self.stop_token_ids or []),
             "output_kind": OutputKind.DELTA if stream else OutputKind.FINAL_ONLY,
+            "structured_outputs": structured_outputs,
         }
         optional = {
             "temperature": self.temperature,
@@ -133,7 +166,7 @@ class SamplingFields(RequestModel):
         try:
             return SamplingParams(**fields)
         except (TypeError, ValueError) as e:  # msgspec raises ValueError subclasses on bad types
-            if isinstance(e, SamplingParamsError):
+            if isinstance(e, InvalidRequestError):  # SamplingParamsError, StructuredOutputError: named
                 raise
             raise SamplingParamsError(f"invalid sampling params: {e}") from None
 
@@ -148,7 +181,6 @@ class CompletionRequest(SamplingFields):
         "echo": (None, False),
         "suffix": (None, ""),
         "add_special_tokens": (True,),
-        "response_format": (None, {"type": "text"}),
     }
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # strict: `true` is no token id
@@ -161,7 +193,6 @@ class CompletionRequest(SamplingFields):
     # response the prompt's; what a client of a model without a tokenizer reads, its text being empty
     return_token_ids: bool = False
     add_special_tokens: bool = True  # vLLM's; the engine's encoding always adds them
-    response_format: dict[str, Any] | None = None  # vLLM's
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one string, one token-id list, or a batch of either."""
@@ -178,7 +209,8 @@ class CompletionRequest(SamplingFields):
         self.check_common()
         if self.best_of is not None and self.best_of != (1 if self.n is None else self.n):
             raise ApiError("best_of must equal n (or be omitted)", param="best_of")
-        return self.to_params(self.max_tokens, self.logprobs, bool(self.stream))
+        structured = self.structured_outputs_params()
+        return self.to_params(self.max_tokens, self.logprobs, bool(self.stream), structured)
 
 
 class ContentPart(RequestModel):
@@ -256,7 +288,11 @@ class ChatTemplateFields(RequestModel):
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
     chat_template: str | None = None  # a request's own template: refused unless null
     documents: list[dict[str, Any]] | None = None  # RAG documents for the template: refused unless null
-    tools: list[dict[str, Any]] | None = None  # refused unless empty
+    tools: list[ToolDefinition] | None = None  # function definitions, passed to the template
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The `tools` the template gets (transformers' dict form), or None."""
+        return tool_dicts(self.tools)
 
     def template_kwargs(self) -> dict[str, Any]:
         """The template's extra variables; never one that would steer apply_chat_template itself."""
@@ -272,6 +308,35 @@ class ChatTemplateFields(RequestModel):
                 f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
             )
         return kwargs
+
+
+class ChatToolFields(ChatTemplateFields):
+    """Tool calling (the chat route's and the websocket's chat frames'): which tool the model may or must
+    call; "required" and a named tool constrain the output (tool_choice_structured_outputs)."""
+
+    tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # "required": one call or several (default: several)
+
+    @property
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        tools = super().template_tools()
+        # NOTE: "none" promises a plain answer: a template shown the tools invites a call, which would
+        # then be text; tools=None renders the chat as without tools (the history's calls still show)
+        return None if self.effective_tool_choice == "none" else tools
+
+    def tool_structured_outputs(self) -> StructuredOutputsParams | None:
+        """The constraint of "required" or a named tool (None for "none" / "auto"); a 400 naming the field
+        for an unknown tool, a named or "required" choice without tools, or a schema that does not compile."""
+        tools = tool_dicts(self.tools)
+        choice = self.effective_tool_choice
+        if tools is None and choice not in ("none", "auto"):
+            raise ApiError("tool_choice needs tools", param="tool_choice")
+        return tool_choice_structured_outputs(tools, choice, self.parallel_tool_calls)
 
 
 # apply_chat_template's own arguments (and the message list): not template variables a request may set
@@ -296,7 +361,7 @@ RESERVED_TEMPLATE_ARGS = frozenset(
 )
 
 
-class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
+class ChatCompletionRequest(ChatToolFields, SamplingFields):
     NEUTRAL = {
         **_VLLM_NEUTRAL,
         "functions": (None, []),
@@ -316,9 +381,6 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # without tools there is nothing to call in parallel: ignored
     reasoning_effort: str | None = None  # passed to the chat template (which may ignore it)
     # OpenAI's hints and bookkeeping, with no effect on what is generated here: ignored
     metadata: dict[str, str] | None = None
@@ -344,17 +406,23 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
 
     def sampling_params(self) -> SamplingParams:
         self.check_common()
-        if self.tools:
-            raise ApiError("tools are not supported", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ApiError("tool_choice is not supported (there are no tools)", param="tool_choice")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ApiError('only response_format {"type": "text"} is supported', param="response_format")
+        structured = self.structured_outputs_params()
+        forced = self.tool_structured_outputs()
+        if forced is not None and structured is not None:
+            raise ApiError(
+                "tool_choice 'required' or a named tool constrains the output to the call: it cannot be "
+                "combined with response_format, structured_outputs or guided_*",
+                param="tool_choice",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.to_params(max_tokens, logprobs, bool(self.stream))
+        return self.to_params(max_tokens, logprobs, bool(self.stream), forced or structured)
+
+    @property
+    def constrains(self) -> bool:
+        return super().constrains or bool(self.tools)  # "required" / a named tool compile the tools' schemas
 
     def template_kwargs(self) -> dict[str, Any]:
         kwargs = super().template_kwargs()
@@ -372,7 +440,7 @@ class TokenizeCompletionRequest(RequestModel):
 
 
 class TokenizeChatRequest(ChatTemplateFields):
-    NEUTRAL = {"chat_template": (None,), "documents": (None,), "tools": (None, [])}
+    NEUTRAL = {"chat_template": (None,), "documents": (None,)}
 
     model: str | None = None
     return_token_strs: bool | None = False

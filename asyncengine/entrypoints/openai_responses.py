@@ -6,7 +6,7 @@ and version bodies.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -64,9 +64,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallInfo(BaseModel):
+    name: str
+    arguments: str  # the arguments object as JSON text, as OpenAI sends it
+
+
+class ToolCallInfo(BaseModel):
+    id: str  # "call_" and 24 letters or digits
+    type: Literal["function"] = "function"
+    function: FunctionCallInfo
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
-    content: str | None = None
+    content: str | None = None  # null when the answer is only tool calls
+    tool_calls: list[ToolCallInfo] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -87,7 +99,9 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: dict[str, str]
+    # OpenAI's delta: "role" (a choice's first chunk), "content", or "tool_calls": [{"index", "id", "type",
+    # "function": {"name", "arguments": ""}}] when a call starts, then [{"index", "function": {"arguments"}}]
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
@@ -101,13 +115,26 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+class ParallelLayout(BaseModel):
+    """How the served model is spread over devices (EngineConfig's fields): each of the
+    data_parallel_size replicas runs pipeline_parallel_size stages of tensor_parallel_size ranks."""
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    distributed_executor_backend: str  # "mp" (worker subprocesses) or "ray" (one Ray actor per rank)
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "asyncengine"
     root: str
+    # past OpenAI's fields, as vLLM adds max_model_len: what the playground's header shows
     max_model_len: int
+    dtype: str  # the weights' dtype as the workers chose it (--dtype, else the checkpoint's)
+    parallel: ParallelLayout
 
 
 class ModelList(BaseModel):

@@ -49,6 +49,9 @@ def render_chat(engine: AsyncEngine, req: ChatTemplateFields) -> list[int]:
     kwargs = req.template_kwargs()
     if req.continue_final_message:  # only then: a template call of older transformers knows no such argument
         kwargs["continue_final_message"] = True
+    tools = req.template_tools()
+    if tools is not None:  # only then, too: a template without tools renders exactly as before
+        kwargs["tools"] = tools
     chars = template_chars(messages) + len(json.dumps(kwargs, default=str))
     if chars > engine.max_prompt_chars:
         raise ApiError(

@@ -85,10 +85,11 @@ def build_app(
     limits: ServerLimits | None = None,
     model_name: str | None = None,
     policy: OriginPolicy | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The server app; `app.state.server` is its ServerState (attach the engine there when it is ready)."""
 
-    state = ServerState(engine, api_key, limits or ServerLimits(), model_name)
+    state = ServerState(engine, api_key, limits or ServerLimits(), model_name, tool_call_parser)
     # NOTE: /docs is our own page (Swagger UI needs a CDN); /openapi.json, like /health, needs no API key
     app = FastAPI(
         title="asyncengine",

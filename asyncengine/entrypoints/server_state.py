@@ -28,12 +28,19 @@ class ServerState:
     """What the routes share: the engine (None while loading), limits, the API key, live-request count."""
 
     def __init__(
-        self, engine: AsyncEngine | None, api_key: str | None, limits: ServerLimits, model_name: str | None
+        self,
+        engine: AsyncEngine | None,
+        api_key: str | None,
+        limits: ServerLimits,
+        model_name: str | None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine: AsyncEngine | None = None
         self.api_key = api_key
         self.limits = limits
         self.model_name = model_name or ""
+        # --tool-call-parser: how tool_choice "auto" reads calls (None or "auto": by the chat template)
+        self.tool_call_parser = tool_call_parser
         self.live = 0
         self.draining = False
         self._idle = asyncio.Event()

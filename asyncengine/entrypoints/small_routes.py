@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
 import json
 import time
@@ -10,9 +11,11 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from asyncengine.dp_engine import DataParallelEngine
 from asyncengine.engine import AsyncEngine
 from asyncengine.entrypoints.api_errors import ApiError
 from asyncengine.entrypoints.guard import api_key_ok
+from asyncengine.entrypoints.log_stats import resolved_device, resolved_dtype
 from asyncengine.entrypoints.openai_protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -23,6 +26,7 @@ from asyncengine.entrypoints.openai_responses import (
     HealthResponse,
     ModelCard,
     ModelList,
+    ParallelLayout,
     TokenizeResponse,
     VersionResponse,
 )
@@ -41,10 +45,37 @@ router = APIRouter()
 STARTED = int(time.time())
 
 
-def _card(state: ServerState, engine: AsyncEngine) -> ModelCard:
+@functools.cache
+def _gpu_count() -> int:
+    # the launcher already asked the driver at start-up; imported here as the launcher imports this app
+    from asyncengine.entrypoints.launcher import driver_gpu_count
+
+    return driver_gpu_count()
+
+
+def _dtype(engine: AsyncEngine) -> str:
+    """The weights' dtype as the start-up line says it (the device matters only for a float16 checkpoint
+    with --dtype auto, so the driver is asked only without --device)."""
+    config = engine.config
+    device = config.device if config.device != "auto" else resolved_device(config, _gpu_count())
+    return resolved_dtype(config, engine.hf_config, device)
+
+
+def _card(state: ServerState, engine: AsyncEngine | DataParallelEngine) -> ModelCard:
     # NOTE: `root` is the served name, not the model's path: the server's file layout stays private
+    config = engine.config
     return ModelCard(
-        id=state.model_name, created=STARTED, root=state.model_name, max_model_len=engine.max_model_len
+        id=state.model_name,
+        created=STARTED,
+        root=state.model_name,
+        max_model_len=engine.max_model_len,
+        dtype=_dtype(engine),
+        parallel=ParallelLayout(
+            tensor_parallel_size=config.tensor_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
+            data_parallel_size=config.data_parallel_size,
+            distributed_executor_backend=config.distributed_executor_backend,
+        ),
     )
 
 

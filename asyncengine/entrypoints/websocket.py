@@ -1,19 +1,30 @@
 """The /v1/ws handler: one websocket multiplexes many generate requests as JSON text frames.
 
 client -> server  {"type": "generate", "request_id": "r1", "prompt": "..." | "prompt_token_ids": [...]
-                   | "messages": [{"role": "user", "content": "..."}, ...], "params": {SamplingParams fields}}
+                   | "messages": [{"role": "user", "content": "..."}, ...], "params": {SamplingParams fields},
+                   with messages optionally "add_generation_prompt", "tools", "tool_choice",
+                   "parallel_tool_calls"}
                   {"type": "cancel", "request_id": "r1"}
-server -> client  {"type": "delta", "request_id": "r1", "text": "...", "token_ids": [...], "logprobs"?: [...]}
-                  {"type": "done", "request_id": "r1", "finish_reason": "stop" | "length" | "abort",
-                   "usage": {"prompt_tokens": N, "completion_tokens": M}}
+server -> client  {"type": "delta", "request_id": "r1", "text": "...", "token_ids": [...], "logprobs"?: [...],
+                   "tool_calls"?: [...]}
+                  {"type": "done", "request_id": "r1", "finish_reason": "stop" | "length" | "abort"
+                   | "tool_calls", "usage": {"prompt_tokens": N, "completion_tokens": M},
+                   "tool_calls"?: [...]}
                   {"type": "error", "request_id": "r1" | null, "code": 400 | 413 | 429 | 500 | 503,
-                   "message": "..."}
+                   "message": "...", "param"?: "..."}
 
 A generate frame carries exactly one of `prompt`, `prompt_token_ids` and `messages`. `messages` is a chat,
-a non-empty list of objects with exactly the string fields `role` and `content` (and the frame may add
-`"add_generation_prompt": false`; true by default); it is rendered through the model's chat template as
-/v1/chat/completions renders its messages (render_chat, in a thread). An invalid one gets a 400 error
-frame naming the field (`param`).
+a non-empty list of objects with the string fields `role` and `content` (and optionally `name`, an
+assistant's earlier `tool_calls` with content null, a tool message's `tool_call_id`); the frame may add
+`"add_generation_prompt": false` (true by default), and `tools`, `tool_choice`, `parallel_tool_calls` as
+/v1/chat/completions takes them. It is rendered through the model's chat template as that route renders
+its messages (render_chat, in a thread). An invalid one gets a 400 error frame naming the field (`param`).
+
+`params.structured_outputs` constrains the output as the HTTP routes' field does: exactly one of
+{"json": schema, "regex": "...", "choice": [...], "grammar": "...", "json_object": true} (and
+"disable_any_whitespace", "whitespace_pattern" for JSON). A chat with tools streams its calls as
+OpenAI's deltas (`tool_calls` in delta frames, `text` then only the content; all calls in the done
+frame, finish_reason "tool_calls"): ws_chat.py.
 
 Authentication: an `Authorization: Bearer KEY` header, or (for browsers, which cannot set headers on a
 WebSocket) the subprotocols `asyncengine` and `asyncengine.bearer.KEY` offered together; the server then
@@ -49,14 +60,17 @@ from asyncengine.entrypoints.api_errors import (
     param_of,
     status_of,
 )
+from asyncengine.entrypoints.chat_tools import tool_calling
 from asyncengine.entrypoints.guard import WS_PROTOCOL
-from asyncengine.entrypoints.openai_protocol import ChatMessage, ChatTemplateFields
+from asyncengine.entrypoints.openai_protocol import ChatToolFields
 from asyncengine.entrypoints.outbox import CLOSE_GRACE_S, NOT_READING, Outbox
 from asyncengine.entrypoints.prompts import render_chat
 from asyncengine.entrypoints.server_state import ServerState
 from asyncengine.entrypoints.streams import clamp
+from asyncengine.entrypoints.ws_chat import CHAT_FIELDS, ToolCallFrames, parse_chat
 from asyncengine.outputs import CompletionOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
+from asyncengine.structured_output import structured_outputs_from_request
 
 logger = logging.getLogger(__name__)
 
@@ -202,19 +216,14 @@ class Connection:
                 f"this connection has {len(self.live)} live requests "
                 f"(limit {self.state.limits.max_live_per_connection})"
             )
-        prompt = parse_prompt(frame)
-        raw = frame.get("params", {})
-        if not isinstance(raw, dict):
-            raise ApiError("params must be a JSON object")
-        params = SamplingParams.from_dict(raw)
-        if params.n != 1:
-            raise ApiError("the websocket streams one sequence per request: send n requests instead of n > 1")
-        params = msgspec.structs.replace(params, output_kind=OutputKind.DELTA)
+        # checking a constraint compiles it, which takes a while for a large one: that frame is read in its
+        # task, off the loop (its errors come the same way, as an error frame); any other one here
+        request = None if constrained(frame) else parse_request(frame)
         engine = self.state.require_engine()
         self.state.acquire()
         live = LiveRequest(f"ws-{self.id}-{request_id}")
         self.live[request_id] = live
-        live.task = asyncio.create_task(self._stream(request_id, live, engine, prompt, params))
+        live.task = asyncio.create_task(self._stream(request_id, live, engine, frame, request))
 
         def finished(_: asyncio.Task) -> None:  # runs even if the task was cancelled before it started
             self.live.pop(request_id, None)
@@ -237,42 +246,53 @@ class Connection:
         request_id: str,
         live: LiveRequest,
         engine: AsyncEngine,
-        prompt: Prompt | ChatTemplateFields,
-        params: SamplingParams,
+        frame: dict[str, Any],
+        request: tuple[Prompt | ChatToolFields, SamplingParams] | None,
     ) -> None:
         finish_reason = "abort"
+        calls = None
         try:
-            if isinstance(prompt, ChatTemplateFields):  # the template can be slow: off the event loop
-                prompt = await asyncio.to_thread(render_chat, engine, prompt)
+            prompt, params = request or await asyncio.to_thread(parse_request, frame)
+            if isinstance(prompt, ChatToolFields):
+                tools = tool_calling(
+                    prompt, getattr(engine.tokenizer, "chat_template", None), self.state.tool_call_parser
+                )
+                calls = ToolCallFrames(tools) if tools is not None else None
+                prompt = await asyncio.to_thread(render_chat, engine, prompt)  # slow on long chats
             if not live.cancelled:
                 async for out in engine.generate(prompt, params, live.engine_id):
                     c = out.outputs[0]
                     live.prompt_tokens = len(out.prompt_token_ids)
-                    if c.text or c.token_ids:
+                    delta = delta_frame(request_id, c)
+                    if calls is not None:
+                        delta.update(calls.fields(c.text, c.finish_reason is not None))
+                    if c.text or c.token_ids or "tool_calls" in delta:
                         live.completion_tokens += len(c.token_ids)
-                        self.send(delta_frame(request_id, c))
+                        self.send(delta)
                     finish_reason = c.finish_reason or finish_reason
         except Exception as e:
             self.send_error(request_id, e)
             return
-        self.send(
-            {
-                "type": "done",
-                "request_id": request_id,
-                "finish_reason": finish_reason,
-                "usage": {"prompt_tokens": live.prompt_tokens, "completion_tokens": live.completion_tokens},
-            }
-        )
+        done: dict[str, Any] = {
+            "type": "done",
+            "request_id": request_id,
+            "finish_reason": finish_reason if calls is None else calls.finish_reason(finish_reason),
+            "usage": {"prompt_tokens": live.prompt_tokens, "completion_tokens": live.completion_tokens},
+        }
+        if calls is not None and calls.calls:
+            done["tool_calls"] = calls.calls
+        self.send(done)
 
 
-def parse_prompt(frame: dict[str, Any]) -> Prompt | ChatTemplateFields:
+def parse_prompt(frame: dict[str, Any]) -> Prompt | ChatToolFields:
     prompt, ids, messages = frame.get("prompt"), frame.get("prompt_token_ids"), frame.get("messages")
     if sum(x is not None for x in (prompt, ids, messages)) != 1:
         raise ApiError("send exactly one of prompt, prompt_token_ids and messages")
     if messages is not None:
-        return parse_messages(messages, frame.get("add_generation_prompt", True))
-    if "add_generation_prompt" in frame:
-        raise ApiError("add_generation_prompt goes with messages", param="add_generation_prompt")
+        return parse_chat(frame)
+    for key in CHAT_FIELDS:
+        if key in frame:
+            raise ApiError(f"{key} goes with messages", param=key)
     if prompt is not None:
         if not isinstance(prompt, str):
             raise ApiError("prompt must be a string")
@@ -282,25 +302,43 @@ def parse_prompt(frame: dict[str, Any]) -> Prompt | ChatTemplateFields:
     return ids
 
 
-def parse_messages(messages: Any, add_generation_prompt: Any) -> ChatTemplateFields:
-    """A chat, checked strictly: a non-empty list of {"role": str, "content": str}, nothing else."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError('messages must be a non-empty list of {"role", "content"} objects', param="messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) != {"role", "content"}:
-            raise ApiError(
-                f"messages[{i}] must be an object with exactly the fields role and content", param="messages"
-            )
-        if not isinstance(m["role"], str) or not m["role"]:
-            raise ApiError(f"messages[{i}].role must be a non-empty string", param="messages")
-        if not isinstance(m["content"], str):
-            raise ApiError(f"messages[{i}].content must be a string", param="messages")
-    if not isinstance(add_generation_prompt, bool):
-        raise ApiError("add_generation_prompt must be true or false", param="add_generation_prompt")
-    return ChatTemplateFields(
-        messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages],
-        add_generation_prompt=add_generation_prompt,
-    )
+def constrained(frame: dict[str, Any]) -> bool:
+    """Whether a generate frame may carry a constraint (structured_outputs, or tools to force)."""
+    params = frame.get("params")
+    structured = isinstance(params, dict) and params.get("structured_outputs") is not None
+    return structured or bool(frame.get("tools"))
+
+
+def parse_request(frame: dict[str, Any]) -> tuple[Prompt | ChatToolFields, SamplingParams]:
+    """A generate frame's prompt (or chat) and params; a 400 naming the field for anything malformed."""
+    prompt = parse_prompt(frame)
+    params = parse_params(frame.get("params", {}))
+    if params.n != 1:
+        raise ApiError("the websocket streams one sequence per request: send n requests instead of n > 1")
+    params = msgspec.structs.replace(params, output_kind=OutputKind.DELTA)
+    if isinstance(prompt, ChatToolFields):
+        forced = prompt.tool_structured_outputs()
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise ApiError(
+                    "tool_choice 'required' or a named tool constrains the output to the call: it cannot "
+                    "be combined with params.structured_outputs",
+                    param="tool_choice",
+                )
+            params = msgspec.structs.replace(params, structured_outputs=forced)
+    return prompt, params
+
+
+def parse_params(raw: Any) -> SamplingParams:
+    """The frame's `params`; its structured_outputs checked first, so an error names the part to blame
+    (SamplingParams.from_dict's own errors name no field below the top level)."""
+    if not isinstance(raw, dict):
+        raise ApiError("params must be a JSON object")
+    if raw.get("structured_outputs") is None:
+        return SamplingParams.from_dict(raw)
+    structured = structured_outputs_from_request(raw["structured_outputs"])
+    params = SamplingParams.from_dict({k: v for k, v in raw.items() if k != "structured_outputs"})
+    return msgspec.structs.replace(params, structured_outputs=structured)
 
 
 def delta_frame(request_id: str, c: CompletionOutput) -> dict[str, Any]:

@@ -16,6 +16,12 @@ if TYPE_CHECKING:
     from asyncengine.structured_output.spec import StructuredOutputsParams
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# JSON whitespace by default: at most one space between tokens (compact or "a": 1, "b": 2 style).
+# Unbounded whitespace (llguidance's "flexible") lets a model that likes whitespace tokens (a code model:
+# newlines and indentation) emit them until max_tokens, a known failure of structured output; even a
+# line break plus 16 spaces per gap let the bundled model spend its whole budget there. Pretty-printed
+# JSON: pass whitespace_pattern, e.g. r"(\n[ ]{0,16})?".
+DEFAULT_WHITESPACE = r"[ ]?"
 
 
 def json_options(params: StructuredOutputsParams) -> dict[str, Any]:
@@ -23,6 +29,8 @@ def json_options(params: StructuredOutputsParams) -> dict[str, Any]:
     options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
     if params.whitespace_pattern is not None:
         options["whitespace_pattern"] = params.whitespace_pattern
+    elif not params.disable_any_whitespace:
+        options["whitespace_pattern"] = DEFAULT_WHITESPACE
     return options
 
 

@@ -66,8 +66,19 @@ async function loadModel() {
   }
   const card = (await r.json()).data[0];
   $("key-form").hidden = true;
-  $("model-info").textContent = `model ${card.id} · max_model_len ${card.max_model_len}`;
+  $("model-info").textContent = modelLine(card);
   connect();
+}
+
+function modelLine(card) {
+  const parts = [`model ${card.id}`, `max_model_len ${card.max_model_len}`];
+  if (card.dtype) parts.push(card.dtype);
+  const p = card.parallel;
+  if (p) {
+    parts.push(`tp ${p.tensor_parallel_size} × pp ${p.pipeline_parallel_size} × dp ${p.data_parallel_size}`
+      + ` (${p.distributed_executor_backend})`);
+  }
+  return parts.join(" · ");
 }
 
 $("key-form").addEventListener("submit", (e) => {
@@ -118,9 +129,14 @@ function retryLater(why) {
 }
 
 function onFrame(f) {
-  const run = runs.get(f.request_id);
+  let run = runs.get(f.request_id);
+  if (run) run.answered = true;
   if (f.type === "error") {
-    const text = `${f.code} ${ERROR_NAMES[f.code] || "error"}: ${f.message}`;
+    // a frame over the server's size limit is refused unread, so its error names no request: it is the
+    // largest frame still unanswered (every frame over the limit is larger than every frame under it)
+    if (!run && f.request_id == null && f.code === 413) run = largestUnanswered();
+    const param = f.param && !f.message.startsWith(f.param) ? ` (${f.param})` : "";
+    const text = `${f.code} ${ERROR_NAMES[f.code] || "error"}: ${f.message}${param}`;
     alertMessage(run ? `${run.label}: ${text}` : text);
     if (run) finish(run, "error", text);
     return;
@@ -141,15 +157,23 @@ function onFrame(f) {
   }
 }
 
+function largestUnanswered() {
+  let found;
+  for (const run of runs.values()) {
+    if (!run.answered && (!found || run.frameLength > found.frameLength)) found = run;
+  }
+  return found;
+}
+
 // -- generations -----------------------------------------------------------------------------
 function numberOf(id) {
   const v = $(id).valueAsNumber;
   return Number.isNaN(v) ? undefined : v;
 }
 
-function samplingParams(temperature) {
+function samplingParams(temperature, structured) {
   const params = { temperature, top_p: numberOf("top_p"), top_k: numberOf("top_k"),
-    max_tokens: numberOf("max_tokens"), seed: numberOf("seed") };
+    max_tokens: numberOf("max_tokens"), seed: numberOf("seed"), structured_outputs: structured };
   const stop = $("stop").value.split("\n").filter((s) => s).map((s) => s.replaceAll("\\n", "\n"));
   if (stop.length) params.stop = stop;
   for (const k of Object.keys(params)) if (params[k] === undefined) delete params[k];
@@ -161,6 +185,13 @@ function mode() { return document.querySelector("input[name=mode]:checked").valu
 function send() {
   if (!socket || socket.readyState !== WebSocket.OPEN) {
     alertMessage("not connected to the server yet");
+    return;
+  }
+  let structured;
+  try {
+    structured = structuredOutputs();
+  } catch (e) {
+    structuredError(e.message); // checked before the chat history changes: nothing is sent
     return;
   }
   const text = $("prompt").value;
@@ -177,7 +208,7 @@ function send() {
   } else {
     input = { prompt: text };
   }
-  temps.forEach((t, i) => start(input, samplingParams(t), i === 0));
+  temps.forEach((t, i) => start(input, samplingParams(t, structured), i === 0));
 }
 
 function start(input, params, primary) {
@@ -185,9 +216,13 @@ function start(input, params, primary) {
   const el = $("run-template").content.firstElementChild.cloneNode(true);
   const run = { id, el, params, primary, mode: mode(), prompt: input.prompt ?? "", text: "", tokens: 0,
     frames: 0, sentAt: performance.now(), firstAt: null, lastAt: null, finish: null,
-    label: `${id} · temperature ${params.temperature}`, genEl: el.querySelector(".run-gen") };
+    label: `${id} · temperature ${params.temperature}`, genEl: el.querySelector(".run-gen"),
+    answered: false, frameLength: 0 };
+  if (params.structured_outputs) run.label += ` · ${Object.keys(params.structured_outputs)[0]}`;
   el.dataset.requestId = id;
   el.querySelector(".run-label").textContent = run.label;
+  el.querySelector(".run-stop").setAttribute("aria-label", `Stop ${id}`);
+  el.querySelector(".run-reuse").setAttribute("aria-label", `Use ${id}'s text as the prompt`);
   el.querySelector(".run-prompt").textContent = run.prompt;
   el.querySelector(".run-stop").onclick = () => cancel(run);
   el.querySelector(".run-reuse").onclick = () => { $("prompt").value = run.prompt + run.text; };
@@ -195,7 +230,9 @@ function start(input, params, primary) {
   while ($("runs").children.length > MAX_PANELS) $("runs").lastChild.remove();
   runs.set(id, run);
   showStats(run);
-  socket.send(JSON.stringify({ type: "generate", request_id: id, ...input, params }));
+  const frame = JSON.stringify({ type: "generate", request_id: id, ...input, params });
+  run.frameLength = frame.length;
+  socket.send(frame);
 }
 
 function cancel(run) {
@@ -249,6 +286,68 @@ function renderChat() {
   }));
 }
 
+// -- structured output -----------------------------------------------------------------------
+// what params.structured_outputs takes (asyncengine/structured_output/spec.py), one kind at a time
+const STRUCTURED = {
+  json: { label: "JSON schema",
+    placeholder: '{"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}',
+    help: "A JSON Schema object: the output is JSON that matches it." },
+  regex: { label: "Regular expression", placeholder: "[0-9]{3}-[0-9]{4}",
+    help: "The whole output matches it (Rust regex syntax: no look-around)." },
+  choice: { label: "Choices, one per line", placeholder: "yes\nno",
+    help: "The output is exactly one of these lines." },
+  grammar: { label: "Grammar", placeholder: 'root ::= "yes" | "no"',
+    help: "GBNF (root ::= ...) or Lark (start: ...)." },
+};
+
+// params.structured_outputs from the box, or an Error whose message tells the user what to fix; the
+// server checks the rest (a schema it cannot compile comes back as a 400 error frame)
+function structuredOutputs() {
+  const kind = $("so-kind").value;
+  if (!kind) return undefined;
+  const raw = $("so-value").value;
+  if (kind === "json") {
+    let schema;
+    try {
+      schema = JSON.parse(raw);
+    } catch (e) {
+      throw new Error(`The JSON schema is not valid JSON: ${e.message}`);
+    }
+    if (schema === null || typeof schema !== "object" || Array.isArray(schema)) {
+      throw new Error('The JSON schema must be a JSON object, such as {"type": "object"}.');
+    }
+    return { json: schema };
+  }
+  if (kind === "choice") {
+    const choices = raw.split("\n").filter((c) => c); // spaces kept: a choice is the exact text
+    if (!choices.length) throw new Error("Give at least one choice, one per line.");
+    return { choice: choices };
+  }
+  if (!raw.trim()) throw new Error(`The ${STRUCTURED[kind].label.toLowerCase()} is empty.`);
+  return { [kind]: raw };
+}
+
+function structuredError(message) {
+  $("so-error").textContent = message;
+  $("so-error").hidden = !message;
+  if (message) {
+    $("so-value").setAttribute("aria-invalid", "true");
+    $("so-value").focus();
+  } else {
+    $("so-value").removeAttribute("aria-invalid");
+  }
+}
+
+function setStructuredKind() {
+  const kind = STRUCTURED[$("so-kind").value];
+  $("so-box").hidden = !kind;
+  structuredError("");
+  if (!kind) return;
+  $("so-label").textContent = kind.label;
+  $("so-value").placeholder = kind.placeholder;
+  $("so-help").textContent = kind.help;
+}
+
 // -- controls --------------------------------------------------------------------------------
 function setMode() {
   const isChat = mode() === "chat";
@@ -257,6 +356,8 @@ function setMode() {
 }
 
 for (const r of document.querySelectorAll("input[name=mode]")) r.addEventListener("change", setMode);
+$("so-kind").addEventListener("change", setStructuredKind);
+$("so-value").addEventListener("input", () => structuredError(""));
 $("send").addEventListener("click", send);
 $("stop-all").addEventListener("click", stopAll);
 $("clear-runs").addEventListener("click", () => {
@@ -269,4 +370,5 @@ document.addEventListener("keydown", (e) => {
 });
 
 setMode();
+setStructuredKind();
 loadModel();

@@ -23,7 +23,8 @@ from asyncengine.entrypoints.tool_parsers.protocol import make_tool_call_id
 from asyncengine.structured_output.errors import StructuredOutputError
 from asyncengine.structured_output.spec import StructuredOutputsParams
 
-EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# a function without `parameters` takes none (OpenAI: "an empty parameter list"): {} and nothing else
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 DEFINITION_KEYS = ("$defs", "definitions")
 
 

@@ -19,7 +19,17 @@ class FakeEngine:
     """Yields one token per `delay` seconds: token i has id i and text "t{i} "."""
 
     def __init__(self, tokenizer: Any = None, delay: float = 0.001) -> None:
-        self.config = SimpleNamespace(model="/models/fake-model")
+        # EngineConfig's fields the routes read (a real EngineConfig wants the model directory to exist)
+        self.config = SimpleNamespace(
+            model="/models/fake-model",
+            dtype="auto",
+            device="cpu",
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            data_parallel_size=1,
+            distributed_executor_backend="mp",
+        )
+        self.hf_config = SimpleNamespace(torch_dtype="float16")  # config.json's: bfloat16 on a CPU
         self.tokenizer = tokenizer
         self.delay = delay
         self.dead: EngineDeadError | None = None

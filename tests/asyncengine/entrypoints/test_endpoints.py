@@ -240,9 +240,8 @@ def test_the_sdk_with_every_harmless_field(tokenizer: Any) -> None:
         ("functions", [{"name": "f"}]),
         ("function_call", {"name": "f"}),
         ("web_search_options", {}),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "required"),
-        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "custom", "custom": {"name": "f"}}]),  # only function tools
+        ("tool_choice", "required"),  # without tools
         ("chat_template", "{{ messages }}"),
         ("echo", True),
         ("continue_final_message", True),  # and add_generation_prompt (true by default)
@@ -356,6 +355,44 @@ def test_version_ping_and_model_card() -> None:
     assert card == c.get("/v1/models").json()["data"][0] and card["id"] == "fake-model"
     assert error(c.get("/v1/models/other"), 404)["param"] == "model"
     assert error(c.get("/v1/models/fake-model", headers={"Authorization": ""}), 401)
+
+
+def test_the_model_card_shows_dtype_and_parallel_layout() -> None:
+    # past OpenAI's fields (kept as they are): max_model_len, the weights' dtype, the parallel layout
+    card = client(FakeEngine()).get("/v1/models").json()["data"][0]
+    assert card == {
+        "id": "fake-model",
+        "object": "model",
+        "created": card["created"],
+        "owned_by": "asyncengine",
+        "root": "fake-model",
+        "max_model_len": 128,
+        "dtype": "bfloat16",  # a float16 checkpoint runs as bfloat16 on a CPU
+        "parallel": {
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "data_parallel_size": 1,
+            "distributed_executor_backend": "mp",
+        },
+    }
+    engine = FakeEngine()
+    engine.config.__dict__.update(
+        device="cuda",
+        tensor_parallel_size=2,
+        pipeline_parallel_size=3,
+        data_parallel_size=4,
+        distributed_executor_backend="ray",
+    )
+    card = client(engine).get("/v1/models/fake-model").json()
+    assert card["dtype"] == "float16"  # on a GPU, the checkpoint's
+    assert card["parallel"] == {
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 3,
+        "data_parallel_size": 4,
+        "distributed_executor_backend": "ray",
+    }
+    engine.config.dtype = "float32"  # --dtype wins
+    assert client(engine).get("/v1/models").json()["data"][0]["dtype"] == "float32"
 
 
 # -- docs and schema ----------------------------------------------------------------------------------

@@ -265,7 +265,7 @@ def test_websocket_chat_frames() -> None:
             ({"messages": "hi"}, "non-empty list"),
             ({"messages": ["hi"]}, "messages[0]"),
             ({"messages": [{"role": "user"}]}, "messages[0]"),
-            ({"messages": [{"role": "user", "content": "x", "name": "n"}]}, "exactly the fields"),
+            ({"messages": [{"role": "user", "content": "x", "contnet": "n"}]}, "the fields role and content"),
             ({"messages": [{"role": "user", "content": ["x"]}]}, "content must be a string"),
             ({"messages": [{"role": 1, "content": "x"}]}, "role must be"),
             ({"messages": chat, "add_generation_prompt": "yes"}, "add_generation_prompt"),

@@ -60,7 +60,10 @@ def feed(m: GrammarMatcher, tokenizer: Any, text: str) -> int:
     ("params", "text"),
     [
         (P(json=PERSON), '{"name": "Ada Lovelace", "age": 36}'),
-        (P(json=PERSON), '{\n  "name": "A \\"quoted\\" name",\n  "age": -7\n}'),
+        (  # pretty-printed JSON needs a whitespace pattern: the default allows one space per gap
+            P(json=PERSON, whitespace_pattern=r"(\n[ ]{0,16}| )?"),
+            '{\n  "name": "A \\"quoted\\" name",\n  "age": -7\n}',
+        ),
         (P(json=PERSON, disable_any_whitespace=True), '{"name":"Ada","age":36}'),
         (P(json={"type": "array", "items": {"enum": ["red", "green"]}, "minItems": 1}), '["red", "green"]'),
         (P(json_object=True), '{"anything": [1, 2.5, null, {"nested": true}]}'),

@@ -61,7 +61,11 @@ def test_required_schema_shape() -> None:
         {"const": n} for n in ("get_weather", "search", "now")
     ]
     assert calls[0]["properties"]["arguments"] == WEATHER
-    assert calls[2]["properties"]["arguments"] == {"type": "object", "properties": {}}  # no parameters
+    assert calls[2]["properties"]["arguments"] == {  # no parameters: no arguments
+        "type": "object",
+        "properties": {},
+        "additionalProperties": False,
+    }
     assert all(c["required"] == ["name", "arguments"] and c["additionalProperties"] is False for c in calls)
     # $defs moved to the top, where "#/$defs/short" resolves
     assert "$defs" not in calls[1]["properties"]["arguments"]

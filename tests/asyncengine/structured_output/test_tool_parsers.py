@@ -324,5 +324,6 @@ def test_pick_parser_by_template_and_flag() -> None:
         pick_parser(QWEN_TEMPLATE, "mistral")
 
 
-def test_the_default_model_has_no_tool_format(tokenizer: object) -> None:
-    assert pick_parser(tokenizer.chat_template) is None  # type: ignore[attr-defined]
+def test_the_default_model_speaks_hermes(tokenizer: object) -> None:
+    """The bundled model's chat template renders tools and calls in the Hermes form, so "auto" reads them."""
+    assert isinstance(pick_parser(tokenizer.chat_template), HermesToolParser)  # type: ignore[attr-defined]
