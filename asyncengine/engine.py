@@ -113,7 +113,10 @@ class AsyncEngine:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, EngineDeadError):
                 await self._loop_task
-        await asyncio.to_thread(self.executor.shutdown)
+        try:
+            await asyncio.to_thread(self.executor.shutdown)
+        except RuntimeError:  # at interpreter exit no thread may be started: block the loop instead
+            self.executor.shutdown()
 
     async def __aenter__(self) -> AsyncEngine:
         return self

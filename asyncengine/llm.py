@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
+import weakref
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -16,6 +18,7 @@ from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import OutputKind, SamplingParams
 
 T = TypeVar("T")
+EXIT_TIMEOUT_S = 10.0  # for an engine left running at exit or garbage collection
 
 
 class LLM:
@@ -35,9 +38,14 @@ class LLM:
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncengine-llm", daemon=True)
         self._thread.start()
         self.engine: AsyncEngine = self._call(AsyncEngine.start(self.config))
+        # a script that never calls shutdown(): stop the engine at exit, while the loop thread still runs
+        # (by the time __del__ runs at interpreter exit, that daemon thread is frozen: waiting on it hangs)
+        ref = weakref.ref(self)
+        self._atexit = lambda: (llm := ref()) is not None and llm.shutdown(EXIT_TIMEOUT_S)
+        atexit.register(self._atexit)
 
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     @property
     def tokenizer(self) -> Any:
@@ -94,9 +102,15 @@ class LLM:
 
         return self._call(reset())
 
-    def shutdown(self) -> None:
-        if self._loop.is_running():
-            self._call(self.engine.shutdown())
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stops the engine and its workers (at exit: within `timeout`, then the workers' death pipes
+        take them down with this process)."""
+        atexit.unregister(self._atexit)
+        if self._loop.is_running() and self._thread.is_alive():
+            try:
+                self._call(self.engine.shutdown(), timeout)
+            except TimeoutError:
+                pass
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
 
@@ -108,6 +122,6 @@ class LLM:
 
     def __del__(self) -> None:
         try:
-            self.shutdown()
+            self.shutdown(EXIT_TIMEOUT_S)
         except Exception:
             pass
