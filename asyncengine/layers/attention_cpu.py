@@ -3,7 +3,8 @@
 The PyTorch reference has to gather every sequence's blocks into a padded tensor per layer, which
 dominates a CPU decode step (measured: ~80% of it at batch 64). The paged kernel (cpu/csrc/paged_attention.c)
 walks the block table instead. Prompts and prompt chunks of 16+ rows are dense work: in bfloat16 on a CPU
-with AMX they go to cpu/csrc/amx_attention.c (all of a step's chunks in one call), otherwise to torch's
+with AMX they go to cpu/csrc/amx_attention.c (all of a step's chunks in one call), without AMX but with
+AVX512-BF16 to cpu/csrc/bf16_attention.c (the same interface, vdpbf16ps products), otherwise to torch's
 SDPA, one call per prompt.
 
 Without a compiler, or for dtypes and shapes the kernel does not cover, the reference backend is used.
@@ -17,10 +18,28 @@ from typing import NamedTuple
 import torch
 
 from asyncengine.cpu.attention import amx_prompt_attention, load_kernel_library, paged_attention, paged_kernel
+from asyncengine.cpu.bf16_attention import bf16_prompt_attention
 from asyncengine.layers.attention_backend import AttentionMetadata
 from asyncengine.layers.attention_torch import TorchAttentionBackend, causal_attention, gather_kv
 
 SDPA_MIN_ROWS = 16  # a prompt chunk at least this long after cached context goes to SDPA (see forward)
+
+
+def _prompt_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    seqs: list[tuple[int, int, int, int]],
+    scale: float,
+    sliding_window: int | None,
+    tables: torch.Tensor | None = None,
+) -> bool:
+    """The prompt chunks `seqs` by a C kernel, AMX first, then AVX512-BF16 (both decline, writing nothing,
+    where they do not apply: the AVX512-BF16 one only takes head_dim 64 and 128); False: SDPA's turn."""
+    return amx_prompt_attention(q, k, v, out, seqs, scale, sliding_window, tables) or bf16_prompt_attention(
+        q, k, v, out, seqs, scale, sliding_window, tables
+    )
 
 
 class _StepArgs(NamedTuple):
@@ -99,10 +118,11 @@ class CpuAttentionBackend:
         scale: float,
         sliding_window: int | None,
     ) -> None:
-        """The dense rows. With a bfloat16 cache on AMX: every prompt chunk in one call that reads its keys in
-        place through the block tables (this step's were written before attention), fresh prompts and
-        chunks after cached context alike. Otherwise fresh prompts attend over this step's keys and
-        chunks after cached context over their gathered blocks, one SDPA call each."""
+        """The dense rows. With a bfloat16 cache on AMX or AVX512-BF16: every prompt chunk in one call that
+        reads its keys in place through the block tables (this step's were written before attention), fresh
+        prompts and chunks after cached context alike. Otherwise (a float8 cache, a head_dim the kernels do
+        not take) fresh prompts attend over this step's keys and chunks after cached context over their
+        gathered blocks, by a kernel where the dtype then fits, else one SDPA call each."""
         start, dense = 0, []
         for i, (q_len, seq_len, is_dense) in enumerate(
             zip(meta.query_lens_cpu, meta.seq_lens_cpu, step.dense)
@@ -110,7 +130,7 @@ class CpuAttentionBackend:
             if is_dense:
                 dense.append((i, start, q_len, seq_len))
             start += q_len
-        if amx_prompt_attention(
+        if _prompt_kernel(
             q,
             k_cache,
             v_cache,
@@ -122,7 +142,7 @@ class CpuAttentionBackend:
         ):
             return
         fresh = [(s, n, s, n) for _, s, n, seq_len in dense if n == seq_len]  # over this step's keys directly
-        if fresh and not amx_prompt_attention(q, k, v, out, fresh, scale, sliding_window):
+        if fresh and not _prompt_kernel(q, k, v, out, fresh, scale, sliding_window):
             for s, n, _, _ in fresh:
                 out[s : s + n] = causal_attention(
                     q[s : s + n], k[s : s + n], v[s : s + n], scale, sliding_window
@@ -132,7 +152,7 @@ class CpuAttentionBackend:
                 continue
             keys = gather_kv(k_cache, meta.block_tables[i], seq_len, q.dtype)
             values = gather_kv(v_cache, meta.block_tables[i], seq_len, q.dtype)
-            if not amx_prompt_attention(q, keys, values, out, [(s, n, 0, seq_len)], scale, sliding_window):
+            if not _prompt_kernel(q, keys, values, out, [(s, n, 0, seq_len)], scale, sliding_window):
                 out[s : s + n] = causal_attention(q[s : s + n], keys, values, scale, sliding_window)
 
     def _run_kernel(

@@ -1,0 +1,393 @@
+/* Causal attention of prompt chunks in bfloat16 with AVX512-BF16 (vdpbf16ps), for CPUs without AMX: the
+ * counterpart of amx_attention.c, with its interface and its work split.
+ *
+ * Why not torch's SDPA: on a 2-core AVX512-BF16 machine (AMD EPYC, no AMX) its bfloat16 causal kernel
+ * reached 13 GFLOP/s at 256 tokens and 48-55 at 2048 (12 heads x 64), against 180-200 for a bfloat16
+ * GEMM, and attention was ~40% of a prefill of 512-2048-token prompts. It also takes one call per prompt.
+ * Here all of a step's prompt chunks go in one call and one OpenMP region.
+ *
+ * Per (sequence, KV head) the keys are packed as [16-key block][dim pair][16 keys][2] (a 16 x 16 word
+ * transpose in registers, as amx_attention.c's K tiles) and the values as [key pair][dim][2], zero past
+ * the sequence. Then per (sequence, head, tile of 16 query rows), over blocks of 64 keys (flash / online
+ * softmax, so that a block's scores, probabilities and keys stay in L1):
+ *     S = Q K^T                        vdpbf16ps, lanes over 16 keys, a query row's dim pair broadcast
+ *     m' = max(m, rowmax(S * scale)),  alpha = exp(m - m')
+ *     P = exp(S * scale - m')          float32, causal / sliding-window mask; l = alpha l + sum(P)
+ *     O = alpha O + bf16(P) V          vdpbf16ps, lanes over 16 dims, a row's key pair of P broadcast
+ * and at the end out = bf16(O / l): the arithmetic of torch's flash kernel for bfloat16 inputs (P rounded
+ * to bfloat16 for the second product, the row sums and O kept in float32).
+ *
+ * Query position of row i of a sequence: kv_len - q_len + i (the chunk is the last q_len positions of
+ * the context); it sees keys j <= position, and with a sliding window W > 0 only j > position - W. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#include "cpu_common.h" /* exp512: the softmax's exp, as in paged_attention.c */
+#include <omp.h>
+
+#define QT 16 /* query rows per work item */
+#define BK 64 /* keys per softmax block: S (4 KiB), P and the block's K and V stay in L1 */
+#define RG 4  /* query rows per register block */
+#define MAX_HEAD_DIM 128
+
+int bf16_attention_available(void) { return 1; }
+
+static inline int ceil_to(int n, int m) { return (n + m - 1) / m * m; }
+
+/* Lanes l of keys j .. j + 15 with lo <= j + l <= pos. */
+static inline __mmask16 valid_keys(int j, int lo, int pos) {
+    const int a = lo - j > 0 ? lo - j : 0, b = pos - j + 1 < 16 ? pos - j + 1 : 16;
+    if (b <= a) return 0;
+    return (__mmask16)((((1u << b) - 1) >> a) << a);
+}
+
+/* 16 x 16 32-bit words, transposed in registers (r[i] holds row i; afterwards column i). */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* One call's arguments, shared by its work items (as amx_attention.c's). */
+typedef struct {
+    const uint16_t *q, *k, *v;
+    uint16_t *out;
+    long q_stride, k_stride, v_stride, out_stride;
+    /* [num_seqs][4]: first query row, query rows, first key row (or block-table row), key rows */
+    const int *seqs;
+    /* NULL, or block tables [.][table_stride]: key j at row table[j / block_size] * block_size +
+     * j % block_size */
+    const int *tables;
+    int table_stride, block_size;
+    int H, Hkv, D, window;
+    float scale;
+} Call;
+
+/* The row of k / v that holds key j of sequence s. */
+static inline long key_row(const Call *c, int s, int j) {
+    if (!c->tables) return (long)c->seqs[4 * s + 2] + j;
+    const int *table = c->tables + (long)c->seqs[4 * s + 2] * c->table_stride;
+    return (long)table[j / c->block_size] * c->block_size + j % c->block_size;
+}
+
+/* Sequence s, KV head g: its keys into kt ([16-key block][D / 2 dim pairs][16 keys][2], keys rounded up
+ * to 16) and its values into vt ([key pair][D][2], keys rounded up to 32), zero past its length. */
+static void pack_kv(const Call *c, int s, int g, uint16_t *kt, uint16_t *vt) {
+    const int len = c->seqs[4 * s + 3], D = c->D;
+    const uint16_t *k = c->k + g * D, *v = c->v + g * D;
+    for (int kb = 0; kb < ceil_to(len, 16) / 16; kb++)
+        for (int db = 0; db < D / 32; db++) {
+            __m512i r[16];
+            for (int n = 0; n < 16; n++)
+                r[n] = kb * 16 + n < len
+                           ? _mm512_loadu_si512(k + key_row(c, s, kb * 16 + n) * c->k_stride + db * 32)
+                           : _mm512_setzero_si512();
+            transpose16(r);
+            uint16_t *t = kt + ((size_t)kb * (D / 2) + db * 16) * 32;
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(t + p * 32, r[p]);
+        }
+    /* clang-format off */
+    const __m512i inter = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    /* clang-format on */
+    for (int p = 0; p < ceil_to(len, 32) / 2; p++) {
+        const uint16_t *a = 2 * p < len ? v + key_row(c, s, 2 * p) * c->v_stride : NULL;
+        const uint16_t *b = 2 * p + 1 < len ? v + key_row(c, s, 2 * p + 1) * c->v_stride : NULL;
+        for (int db = 0; db < D / 16; db++) {
+            const __m512i x = a ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + db * 16)))
+                                : _mm512_setzero_si512();
+            const __m512i y = b ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + db * 16)))
+                                : _mm512_setzero_si512();
+            _mm512_storeu_si512(vt + (size_t)p * 2 * D + db * 32, _mm512_permutex2var_epi16(x, inter, y));
+        }
+    }
+}
+
+/* S[r][16 n + l] = Q row r . key 16 n + l of the block at kt, for RG rows (D apart) and nb <= 4 16-key
+ * blocks; S rows BK apart. Inlined with nb constant, so that the RG x nb accumulators stay in registers. */
+static inline __attribute__((always_inline)) void qk_block(const uint16_t *Q, int D, const uint16_t *kt,
+                                                           float *S, const int nb) {
+    const int np = D / 2;
+    const uint32_t *qw = (const uint32_t *)Q;
+    __m512 acc[RG][4];
+    for (int r = 0; r < RG; r++)
+        for (int n = 0; n < nb; n++) acc[r][n] = _mm512_setzero_ps();
+    for (int p = 0; p < np; p++) {
+        __m512bh kv[4];
+        for (int n = 0; n < nb; n++) kv[n] = (__m512bh)_mm512_loadu_si512(kt + ((size_t)n * np + p) * 32);
+        for (int r = 0; r < RG; r++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qw[r * np + p]);
+            for (int n = 0; n < nb; n++) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], qb, kv[n]);
+        }
+    }
+    for (int r = 0; r < RG; r++)
+        for (int n = 0; n < nb; n++) _mm512_storeu_ps(S + r * BK + 16 * n, acc[r][n]);
+}
+
+/* O[r] = alpha[r] O[r] + sum over key pairs p < np of P[r][2p .. 2p + 1] V[2p .. 2p + 1] for RG rows
+ * (P rows BK apart, O rows D apart), 64 dims at a time (16 accumulators). */
+static inline void pv_block(const uint16_t *P, const uint16_t *vt, int D, int np, float *O,
+                            const float *alpha) {
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        __m512 acc[RG][4];
+        for (int r = 0; r < RG; r++) {
+            const __m512 a = _mm512_set1_ps(alpha[r]);
+            const float *o = O + r * D + d0;
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * j), a);
+        }
+        for (int p = 0; p < np; p++) {
+            __m512bh vv[4];
+            for (int j = 0; j < 4; j++)
+                vv[j] = (__m512bh)_mm512_loadu_si512(vt + (size_t)p * 2 * D + 2 * d0 + 32 * j);
+            for (int r = 0; r < RG; r++) {
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(P + r * BK))[p]);
+                for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pb, vv[j]);
+            }
+        }
+        for (int r = 0; r < RG; r++)
+            for (int j = 0; j < 4; j++) _mm512_storeu_ps(O + r * D + d0 + 16 * j, acc[r][j]);
+    }
+}
+
+/* Query rows QT t .. QT t + QT - 1 of sequence s, head h, over the packed keys kt / values vt of its KV
+ * head. The scratch (18 KiB at D = 128) lives on the stack: L1-resident, nothing to allocate. */
+static void query_tile(const Call *c, int s, int h, int t, const uint16_t *kt, const uint16_t *vt) {
+    const int D = c->D, window = c->window;
+    const float scale = c->scale;
+    const int q_row = c->seqs[4 * s], q_len = c->seqs[4 * s + 1], kv_len = c->seqs[4 * s + 3];
+    const int r0 = QT * t, nr = q_len - r0 < QT ? q_len - r0 : QT, groups = (nr + RG - 1) / RG;
+    const int pos0 = kv_len - q_len + r0, end = pos0 + nr; /* keys 0 .. end - 1 at most */
+    const int first = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+    _Alignas(64) uint16_t Q[QT * MAX_HEAD_DIM], P[QT * BK];
+    _Alignas(64) float S[QT * BK], O[QT * MAX_HEAD_DIM];
+    float m[QT], l[QT], alpha[QT];
+    /* the query rows, zero-padded to whole register blocks (a padding row's scores are 0, its P is 0) */
+    for (int r = 0; r < groups * RG; r++) {
+        if (r < nr)
+            memcpy(Q + r * D, c->q + (long)(q_row + r0 + r) * c->q_stride + h * D, sizeof(uint16_t) * D);
+        else
+            memset(Q + r * D, 0, sizeof(uint16_t) * D);
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(O, 0, sizeof(float) * groups * RG * D);
+    for (int kb = first / 16 * 16; kb < end; kb += BK) {
+        const int nb = ((end - kb < BK ? end - kb : BK) + 15) / 16;
+        const uint16_t *kblk = kt + (size_t)kb * D; /* 16-key blocks of 16 * D elements */
+        for (int g = 0; g < groups; g++) {
+            const uint16_t *qg = Q + g * RG * D;
+            float *sg = S + g * RG * BK;
+            switch (nb) {
+            case 4: qk_block(qg, D, kblk, sg, 4); break;
+            case 3: qk_block(qg, D, kblk, sg, 3); break;
+            case 2: qk_block(qg, D, kblk, sg, 2); break;
+            default: qk_block(qg, D, kblk, sg, 1); break;
+            }
+        }
+        /* online softmax: each row's running max m and sum l, its P = bf16(exp) for this block (zero on
+         * masked keys), alpha the factor its O is rescaled by */
+        for (int r = 0; r < groups * RG; r++) {
+            uint16_t *pr = P + r * BK;
+            const float *sr = S + r * BK;
+            const int pos = pos0 + r, lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            if (r < nr)
+                for (int n = 0; n < nb; n++) {
+                    const __mmask16 mk = valid_keys(kb + 16 * n, lo, pos);
+                    mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mk,
+                                                              _mm512_maskz_loadu_ps(mk, sr + 16 * n),
+                                                              _mm512_set1_ps(scale)));
+                }
+            const float bm = _mm512_reduce_max_ps(mx);
+            if (bm == -INFINITY) { /* a padding row, or no key of this block in the row's range */
+                memset(pr, 0, sizeof(uint16_t) * 16 * nb);
+                alpha[r] = 1.0f;
+                continue;
+            }
+            const float mn = bm > m[r] ? bm : m[r];
+            alpha[r] = expf(m[r] - mn); /* 0 on the row's first block (m = -inf) */
+            const __m512 mv = _mm512_set1_ps(mn), sc = _mm512_set1_ps(scale);
+            __m512 sum = _mm512_setzero_ps();
+            for (int n = 0; n < nb; n++) {
+                const __mmask16 mk = valid_keys(kb + 16 * n, lo, pos);
+                const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + 16 * n), sc);
+                const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(x, mv)));
+                sum = _mm512_add_ps(sum, e);
+                _mm256_storeu_si256((__m256i *)(pr + 16 * n), (__m256i)_mm512_cvtneps_pbh(e));
+            }
+            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+            m[r] = mn;
+        }
+        /* the values of this block's keys start at key pair kb / 2 */
+        for (int g = 0; g < groups; g++)
+            pv_block(P + g * RG * BK, vt + (size_t)kb * D, D, 8 * nb, O + g * RG * D, alpha + g * RG);
+    }
+    for (int r = 0; r < nr; r++) {
+        uint16_t *o = c->out + (long)(q_row + r0 + r) * c->out_stride + h * D;
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        for (int d = 0; d < D; d += 16) {
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(O + r * D + d), inv);
+            _mm256_storeu_si256((__m256i *)(o + d), (__m256i)_mm512_cvtneps_pbh(x));
+        }
+    }
+}
+
+/* A (sequence, KV head)'s packed keys (rounded up to 16) and values (rounded up to 32). */
+static inline size_t unit_size(int len, int D) { return (size_t)(ceil_to(len, 16) + ceil_to(len, 32)) * D; }
+
+typedef struct { uint16_t *k, *v; } UnitTiles;
+
+/* Sequence s, KV head g's packed keys and values in `kv`, where base[s] is where sequence s's units start. */
+static inline UnitTiles unit_tiles(uint16_t *kv, const size_t *base, const int *seqs, int s, int g, int D) {
+    const int len = seqs[4 * s + 3];
+    uint16_t *k = kv + base[s] + (size_t)g * unit_size(len, D);
+    return (UnitTiles){k, k + (size_t)ceil_to(len, 16) * D};
+}
+
+typedef struct {
+    long cost;
+    int index;
+} Ranked;
+static int by_cost_desc(const void *a, const void *b) {
+    const long x = ((const Ranked *)a)->cost, y = ((const Ranked *)b)->cost;
+    return x < y ? 1 : x > y ? -1 : ((const Ranked *)a)->index - ((const Ranked *)b)->index;
+}
+
+/* The arguments and results of amx_attention_bf16 (amx_attention.c), for D = 64 or 128:
+ * seqs: [num_seqs][4] = first query row, query rows, first key row, key rows (rows of q/out and of k/v).
+ * q, out [rows, H * D], k, v [rows, Hkv * D], each with its row stride in elements.
+ * tables (or NULL): the keys are read in place from a paged cache, k / v its [blocks * block_size,
+ * Hkv * D] rows; a sequence's third field is then the row of `tables` that holds its block table.
+ * Returns 0; -1 for an unsupported shape (D not 64 or 128, H not a multiple of Hkv, more query than key
+ * rows); -2 when scratch cannot be allocated.
+ *
+ * Work: with at least 4 (sequence, KV head) units per thread, a thread takes a unit, packs its K / V and
+ * runs all of its query tiles while those are in L2 (largest units first). With fewer (one long prompt,
+ * few KV heads), every unit is packed first and the (head, query tile) items are shared out. */
+int bf16_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long k_stride, const uint16_t *v,
+                        long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs,
+                        const int *tables, int table_stride, int block_size, int H, int Hkv, int D,
+                        float scale, int window, int num_threads) {
+    if (tables && block_size <= 0) return -1;
+    if ((D != 64 && D != 128) || Hkv <= 0 || H % Hkv || num_seqs < 0) return -1;
+    size_t packed = 0, items = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = seqs[4 * s + 1], kv_len = seqs[4 * s + 3];
+        if (q_len < 0 || q_len > kv_len) return -1;
+        packed += Hkv * unit_size(kv_len, D);
+        items += (size_t)H * ((q_len + QT - 1) / QT);
+    }
+    if (!items) return 0;
+    /* clang-format off */
+    const Call c = {q, k, v, out, q_stride, k_stride, v_stride, out_stride, seqs, tables, table_stride,
+                    block_size, H, Hkv, D, window, scale};
+    /* clang-format on */
+    const int group = H / Hkv, units = num_seqs * Hkv;
+    const int fused = units >= 4 * num_threads;
+    /* kept between calls (one per calling thread): a fresh multi-MiB buffer per layer would be page-faulted
+     * in every time */
+    static __thread uint16_t *kv_buf;
+    static __thread size_t kv_cap;
+    if (packed * 2 > kv_cap) {
+        free(kv_buf);
+        kv_cap = (packed * 2 * 5 / 4 + 63) / 64 * 64; /* headroom: the next step's prompts may be longer */
+        kv_buf = aligned_alloc(64, kv_cap);
+        if (!kv_buf) kv_cap = 0;
+    }
+    uint16_t *kv = kv_buf;
+    size_t *base = malloc(sizeof(size_t) * (num_seqs + 1));
+    const long n_work = fused ? units : (long)items;
+    Ranked *work = malloc(sizeof(Ranked) * n_work);
+    const int failed = !base || !work || !kv;
+    if (!failed) {
+        base[0] = 0;
+        for (int s = 0; s < num_seqs; s++) base[s + 1] = base[s] + Hkv * unit_size(seqs[4 * s + 3], D);
+        /* the costliest first, for the dynamic schedule: a unit's cost grows with q_len * kv_len, a query
+         * tile's with its last key */
+        long n = 0, tiles_before = 0;
+        for (int s = 0; s < num_seqs; s++) {
+            const int q_len = seqs[4 * s + 1], kv_len = seqs[4 * s + 3], tiles = (q_len + QT - 1) / QT;
+            if (fused) {
+                for (int g = 0; g < Hkv; g++) work[n++] = (Ranked){(long)q_len * kv_len, s * Hkv + g};
+            } else {
+                for (int t = 0; t < tiles; t++)
+                    for (int h = 0; h < H; h++)
+                        work[n++] =
+                            (Ranked){kv_len - q_len + (long)QT * t + QT, (int)((tiles_before + t) * H + h)};
+            }
+            tiles_before += tiles;
+        }
+        qsort(work, n_work, sizeof(Ranked), by_cost_desc);
+    }
+    if (!failed) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            if (fused) {
+#pragma omp for schedule(dynamic, 1)
+                for (long i = 0; i < n_work; i++) {
+                    const int s = work[i].index / Hkv, g = work[i].index % Hkv,
+                              tiles = (seqs[4 * s + 1] + QT - 1) / QT;
+                    const UnitTiles u = unit_tiles(kv, base, seqs, s, g, D);
+                    pack_kv(&c, s, g, u.k, u.v);
+                    for (int h = g * group; h < (g + 1) * group; h++)
+                        for (int t = tiles - 1; t >= 0; t--) query_tile(&c, s, h, t, u.k, u.v);
+                }
+            } else {
+#pragma omp for schedule(dynamic, 1)
+                for (int i = 0; i < units; i++) {
+                    const UnitTiles u = unit_tiles(kv, base, seqs, i / Hkv, i % Hkv, D);
+                    pack_kv(&c, i / Hkv, i % Hkv, u.k, u.v);
+                }
+#pragma omp for schedule(dynamic, 1)
+                for (long i = 0; i < n_work; i++) {
+                    /* index = (tiles of the earlier sequences + t) * H + h; sequences are few here (fewer
+                     * than 4 units per thread), so s is found by a walk */
+                    int s = 0, t = work[i].index / H;
+                    const int h = work[i].index % H;
+                    while (t >= (seqs[4 * s + 1] + QT - 1) / QT) t -= (seqs[4 * s + 1] + QT - 1) / QT, s++;
+                    const UnitTiles u = unit_tiles(kv, base, seqs, s, h / group, D);
+                    query_tile(&c, s, h, t, u.k, u.v);
+                }
+            }
+        }
+    }
+    free(base);
+    free(work);
+    return failed ? -2 : 0;
+}
+
+#else /* no AVX512-BF16 in this build: callers keep torch's SDPA */
+int bf16_attention_available(void) { return 0; }
+int bf16_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long k_stride, const uint16_t *v,
+                        long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs,
+                        const int *tables, int table_stride, int block_size, int H, int Hkv, int D,
+                        float scale, int window, int num_threads) {
+    /* clang-format off */
+    (void)tables; (void)table_stride; (void)block_size;
+    (void)q; (void)q_stride; (void)k; (void)k_stride; (void)v; (void)v_stride; (void)out; (void)out_stride;
+    (void)seqs; (void)num_seqs; (void)H; (void)Hkv; (void)D; (void)scale; (void)window; (void)num_threads;
+    /* clang-format on */
+    return -3;
+}
+#endif

@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""bfloat16 prompt attention on a CPU without AMX: csrc/bf16_attention.c (AVX512-BF16) against torch's SDPA.
+
+    python bench/prompt_attention.py                 # kernel GF/s, then the end-to-end prefill A/B
+    python bench/prompt_attention.py --no-e2e        # kernel rows only
+
+Kernel rows: one causal prompt of L tokens, 12 heads x head_dim 64 (the bench's medium model), --threads
+threads; GF/s count the causal half only (2 products x 2 flops x H x D x L (L + 1) / 2), the same for
+both; each figure is the fastest of --repeat calls, the two paths timed alternately (the machine is
+shared: read the ratio). "step" rows: several prompts in one kernel call against one SDPA call each,
+as the backend makes them.
+
+End-to-end: asyncengine LLM.generate of bench/sweep.py's cell "p512-2048/prefill" (64 prompts of
+512-2048 tokens, max_tokens=1, cold prefix cache), model medium4k in bfloat16, --threads threads. Two
+engines stay loaded, one with the kernel and one with ASYNCENGINE_CPU_BF16_ATTENTION=0 (the SDPA path;
+the variable is read in the worker processes, set when each engine spawns them), and the runs alternate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import asyncengine  # noqa: F401  (the installed package first)
+from asyncengine.cpu.bf16_attention import ENV, bf16_prompt_attention, load_library
+from asyncengine.layers.attention_torch import causal_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import build_model, table  # noqa: E402
+
+
+def best(fn, repeat: int) -> float:
+    """The fastest of `repeat` calls, seconds."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def time_case(lens: list[int], heads: int, dim: int, repeat: int) -> tuple[float, float]:
+    """(SDPA, kernel) seconds for causal prompts of `lens` tokens: one kernel call, one SDPA call each."""
+    torch.manual_seed(0)
+    scale, t = dim**-0.5, sum(lens)
+    q, k, v = (torch.randn(t, heads, dim).to(torch.bfloat16) for _ in range(3))
+    out = torch.empty_like(q)
+    seqs, start = [], 0
+    for n in lens:
+        seqs.append((start, n, start, n))
+        start += n
+
+    def kernel() -> None:
+        assert bf16_prompt_attention(q, k, v, out, seqs, scale, None)
+
+    def sdpa() -> None:
+        for s, n, _, _ in seqs:
+            out[s : s + n] = causal_attention(q[s : s + n], k[s : s + n], v[s : s + n], scale)
+
+    kernel(), sdpa()  # warm: the library's build, the kernel's buffer, torch's first call
+    tk, ts = float("inf"), float("inf")
+    for _ in range(3):  # alternated, so that the machine's other load hits both alike
+        tk, ts = min(tk, best(kernel, repeat)), min(ts, best(sdpa, repeat))
+    return ts, tk
+
+
+def kernel_rows(threads: int, repeat: int) -> list[list[object]]:
+    torch.set_num_threads(threads)
+    heads, dim = 12, 64
+    cases = [[n] for n in (256, 512, 1024, 2048)] + [[512, 1024, 1536, 2048], [256] * 8]
+    rows = []
+    for lens in cases:
+        ts, tk = time_case(lens, heads, dim, repeat)
+        flops = sum(2 * 2 * heads * dim * n * (n + 1) / 2 for n in lens)
+        name = f"L={lens[0]}" if len(lens) == 1 else "step " + "+".join(map(str, lens))
+        rows.append([name, ts * 1e3, tk * 1e3, flops / ts / 1e9, flops / tk / 1e9, ts / tk])
+    return rows
+
+
+def e2e_rows(threads: int, rounds: int, kv_gib: float) -> list[list[object]]:
+    from sweep import MAX_MODEL_LEN, cells
+
+    from asyncengine import LLM, SamplingParams
+
+    wl = dict(cells(64, 0, False))["p512-2048/prefill"]
+    model = build_model("medium4k")
+    engines = {}
+    for mode, value in (("kernel", "1"), ("sdpa", "0")):
+        os.environ[ENV] = value  # inherited by the worker processes this engine spawns
+        engines[mode] = LLM(
+            model=str(model),
+            dtype="bfloat16",
+            num_threads=threads,
+            max_num_seqs=256,
+            max_num_batched_tokens=2048,
+            kv_cache_memory_bytes=int(kv_gib * 2**30),
+            max_model_len=MAX_MODEL_LEN,
+        )
+    os.environ.pop(ENV)
+    params = [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True) for _ in wl.prompts]
+    times: dict[str, list[float]] = {m: [] for m in engines}
+    firsts: dict[str, list[int]] = {}
+    try:
+        for llm in engines.values():  # warm-up, untimed
+            llm.generate([[5 + i] * 600 for i in range(4)], SamplingParams(temperature=0.0, max_tokens=1))
+        for _ in range(rounds):
+            for mode, llm in engines.items():
+                assert llm.reset_prefix_cache()
+                t0 = time.perf_counter()
+                outs = llm.generate(wl.prompts, params)
+                times[mode].append(time.perf_counter() - t0)
+                firsts[mode] = [o.outputs[0].token_ids[0] for o in outs]
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    tokens = sum(len(p) for p in wl.prompts)
+    agree = sum(a == b for a, b in zip(firsts["kernel"], firsts["sdpa"]))
+    print(f"first tokens equal, kernel vs SDPA: {agree}/{len(wl.prompts)}")
+    print("seconds per round:", {m: [round(t, 2) for t in ts] for m, ts in times.items()})
+    rows = []
+    for mode, ts in times.items():
+        med = statistics.median(ts)
+        rows.append([mode, min(ts), med, tokens / med, statistics.median(times["sdpa"]) / med])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3, help="end-to-end runs per path, alternated")
+    p.add_argument("--kv-gib", type=float, default=2.0, help="KV cache of each of the two engines")
+    p.add_argument("--no-e2e", action="store_true")
+    args = p.parse_args(argv)
+    if load_library() is None:
+        print("no AVX512-BF16 on this CPU (or no C compiler): nothing to compare")
+        return 1
+    print(f"bfloat16 causal prompt attention, 12 heads x 64, {args.threads} threads")
+    headers = ["prompts", "SDPA ms", "kernel ms", "SDPA GF/s", "kernel GF/s", "speed-up"]
+    print(table(headers, kernel_rows(args.threads, args.repeat)))
+    if not args.no_e2e:
+        print(
+            f"\nprefill-only, p512-2048 (64 prompts, max_tokens=1), medium4k bfloat16, {args.threads} threads"
+        )
+        headers = ["attention", "best s", "median s", "prompt tok/s", "speed-up"]
+        print(table(headers, e2e_rows(args.threads, args.rounds, args.kv_gib)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
