@@ -59,6 +59,8 @@ def stream_gaps(
                 last = now
                 if len(gaps) >= 20:  # past the first decode steps (a first step may compile or capture)
                     started.set()
+                if until.is_set():  # now, not at the end of a 1000-token request (slow on a loaded CI)
+                    return gaps  # closing the connection aborts the request
     return gaps
 
 
