@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,6 +35,18 @@ _KERNELS = {
 }
 # limits compiled into the kernel (MAX_HEAD_DIM, MAX_BLOCK, MAX_GROUP); beyond them callers use torch
 MAX_HEAD_DIM, MAX_BLOCK, MAX_GROUP = 512, 256, 64
+
+
+# the signature both C prompt kernels share (see run_prompt_kernel): q, k, v, out with their row strides;
+# the sequences and their count; block tables, their stride; block size, heads, kv heads, head_dim;
+# scale, window, threads
+PROMPT_KERNEL_ARGTYPES = (
+    [ctypes.c_void_p, ctypes.c_long] * 4
+    + [ctypes.c_void_p, ctypes.c_int]
+    + [ctypes.c_void_p]
+    + [ctypes.c_int] * 5
+    + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+)
 
 
 @cache
@@ -122,13 +135,7 @@ def load_amx_library() -> ctypes.CDLL | None:
     lib.amx_attention_available.restype = ctypes.c_int
     lib.amx_attention_available.argtypes = []
     lib.amx_attention_bf16.restype = ctypes.c_int
-    lib.amx_attention_bf16.argtypes = (
-        [ctypes.c_void_p, ctypes.c_long] * 4
-        + [ctypes.c_void_p, ctypes.c_int]
-        + [ctypes.c_void_p]
-        + [ctypes.c_int] * 5
-        + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    )
+    lib.amx_attention_bf16.argtypes = PROMPT_KERNEL_ARGTYPES
     return lib if lib.amx_attention_available() else None
 
 
@@ -161,6 +168,25 @@ def amx_prompt_attention(
     lib = load_amx_library()
     if lib is None:
         return False
+    run_prompt_kernel(lib.amx_attention_bf16, "AMX", q, k, v, out, seqs, scale, sliding_window, tables)
+    return True
+
+
+def run_prompt_kernel(
+    fn: Any,
+    name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    seqs: list[tuple[int, int, int, int]],
+    scale: float,
+    sliding_window: int | None,
+    tables: torch.Tensor | None,
+) -> None:
+    """Calls a C prompt-attention kernel of the shared signature (amx_attention.c, bf16_attention.c) on
+    tensors its caller has checked it takes; raises on a call the kernel refuses."""
+    head_dim = q.shape[-1]
     block_size = 0
     if tables is not None:
         assert (
@@ -171,7 +197,7 @@ def amx_prompt_attention(
     k, v = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous() for t in (k, v))
     assert q.is_contiguous() and out.is_contiguous()
     info = torch.tensor(seqs, dtype=torch.int32)
-    rc = lib.amx_attention_bf16(
+    rc = fn(
         q.data_ptr(),
         q.stride(0),
         k.data_ptr(),
@@ -193,10 +219,9 @@ def amx_prompt_attention(
         torch.get_num_threads(),
     )
     if rc == -2:
-        raise MemoryError("AMX attention kernel could not allocate its scratch buffers")
+        raise MemoryError(f"{name} attention kernel could not allocate its scratch buffers")
     if rc != 0:
         raise ValueError(
-            f"AMX attention kernel rejected the call (heads {q.shape[1]}/{k.shape[1]}, head_dim "
+            f"{name} attention kernel rejected the call (heads {q.shape[1]}/{k.shape[1]}, head_dim "
             f"{head_dim}, or a chunk with more query rows than keys)"
         )
-    return True

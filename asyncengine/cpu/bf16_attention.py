@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from asyncengine.cpu.attention import PROMPT_KERNEL_ARGTYPES, run_prompt_kernel
 from asyncengine.cpu.build import build_library
 
 SOURCE = Path(__file__).parent / "csrc" / "bf16_attention.c"
@@ -39,13 +40,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.bf16_attention_available.restype = ctypes.c_int
     lib.bf16_attention_available.argtypes = []
     lib.bf16_attention_bf16.restype = ctypes.c_int
-    lib.bf16_attention_bf16.argtypes = (
-        [ctypes.c_void_p, ctypes.c_long] * 4
-        + [ctypes.c_void_p, ctypes.c_int]
-        + [ctypes.c_void_p]
-        + [ctypes.c_int] * 5
-        + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    )
+    lib.bf16_attention_bf16.argtypes = PROMPT_KERNEL_ARGTYPES
     return lib if lib.bf16_attention_available() else None
 
 
@@ -82,42 +77,5 @@ def bf16_prompt_attention(
     lib = load_library()
     if lib is None:
         return False
-    block_size = 0
-    if tables is not None:
-        assert (
-            k.is_contiguous() and v.is_contiguous() and tables.is_contiguous() and tables.dtype == torch.int32
-        )
-        block_size = k.shape[1]
-        k, v = k.flatten(0, 1), v.flatten(0, 1)  # [num_blocks * block, Hkv, D]
-    k, v = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous() for t in (k, v))
-    assert q.is_contiguous() and out.is_contiguous()
-    info = torch.tensor(seqs, dtype=torch.int32)
-    rc = lib.bf16_attention_bf16(
-        q.data_ptr(),
-        q.stride(0),
-        k.data_ptr(),
-        k.stride(0),
-        v.data_ptr(),
-        v.stride(0),
-        out.data_ptr(),
-        out.stride(0),
-        info.data_ptr(),
-        len(seqs),
-        tables.data_ptr() if tables is not None else None,
-        tables.stride(0) if tables is not None else 0,
-        block_size,
-        q.shape[1],
-        k.shape[1],
-        head_dim,
-        scale,
-        sliding_window or 0,
-        torch.get_num_threads(),
-    )
-    if rc == -2:
-        raise MemoryError("bf16 attention kernel could not allocate its scratch buffers")
-    if rc != 0:
-        raise ValueError(
-            f"bf16 attention kernel rejected the call (heads {q.shape[1]}/{k.shape[1]}, head_dim "
-            f"{head_dim}, or a chunk with more query rows than keys)"
-        )
+    run_prompt_kernel(lib.bf16_attention_bf16, "bf16", q, k, v, out, seqs, scale, sliding_window, tables)
     return True
