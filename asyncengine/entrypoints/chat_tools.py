@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from asyncengine.entrypoints.openai_protocol import ChatToolFields
+from asyncengine.entrypoints.chat_protocol import ChatToolFields
 from asyncengine.entrypoints.openai_responses import ChatResponseMessage, ToolCallInfo
 from asyncengine.entrypoints.tool_parsers import (
     DeltaMessage,

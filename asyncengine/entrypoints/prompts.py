@@ -11,7 +11,7 @@ from typing import Any
 
 from asyncengine.engine import AsyncEngine
 from asyncengine.entrypoints.api_errors import ApiError
-from asyncengine.entrypoints.openai_protocol import ChatTemplateFields, template_chars
+from asyncengine.entrypoints.chat_protocol import ChatTemplateFields, template_chars
 
 
 def require_tokenizer(engine: AsyncEngine) -> Any:

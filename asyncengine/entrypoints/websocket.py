@@ -60,9 +60,9 @@ from asyncengine.entrypoints.api_errors import (
     param_of,
     status_of,
 )
+from asyncengine.entrypoints.chat_protocol import ChatToolFields
 from asyncengine.entrypoints.chat_tools import tool_calling
 from asyncengine.entrypoints.guard import WS_PROTOCOL
-from asyncengine.entrypoints.openai_protocol import ChatToolFields
 from asyncengine.entrypoints.outbox import CLOSE_GRACE_S, NOT_READING, Outbox
 from asyncengine.entrypoints.prompts import render_chat
 from asyncengine.entrypoints.server_state import ServerState

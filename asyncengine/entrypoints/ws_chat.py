@@ -19,8 +19,8 @@ from typing import Any
 import pydantic
 
 from asyncengine.entrypoints.api_errors import ApiError
+from asyncengine.entrypoints.chat_protocol import ChatMessage, ChatToolFields
 from asyncengine.entrypoints.chat_tools import ToolCalling, delta_dicts, finish_reason
-from asyncengine.entrypoints.openai_protocol import ChatMessage, ChatToolFields
 from asyncengine.entrypoints.request_model import validation_error
 
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})

@@ -28,14 +28,9 @@ from openai.types.chat import (
 from test_app import KEY, client
 from tiny_models import build_tokenizer
 
+from asyncengine.entrypoints.chat_protocol import ChatMessage, ContentPart
 from asyncengine.entrypoints.guard import OriginPolicy
-from asyncengine.entrypoints.openai_protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    ContentPart,
-    StreamOptions,
-)
+from asyncengine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from asyncengine.entrypoints.server import build_app
 from asyncengine.entrypoints.server_state import ServerLimits
 from asyncengine.stats import EngineStats
