@@ -84,14 +84,9 @@ class JsonArrayStream(ToolCallStream):
                     self._state = "content"
                     i -= 1
             elif state == "open":
-                if ch in WHITESPACE:
-                    self._call_text(ch)
-                elif ch == "{":
-                    self._after_char(self._call_char(ch))
-                else:
-                    self._call_text(ch)
-                    self._abandon_call()
-                    self._state = "content"
+                status = self._open_char(ch)
+                if status is not None:
+                    self._after_char(status)
             elif state == "call":
                 self._after_char(self._call_char(ch))
             elif state == "between":

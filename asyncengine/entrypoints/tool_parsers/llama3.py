@@ -90,14 +90,9 @@ class Llama3JsonStream(ToolCallStream):
             ch = text[i]
             i += 1
             if state == "open":
-                if ch in WHITESPACE:
-                    self._call_text(ch)
-                elif ch == "{":
-                    self._after_char(self._call_char(ch))
-                else:
-                    self._call_text(ch)
-                    self._abandon_call()
-                    self._state = "content"
+                status = self._open_char(ch)
+                if status is not None:
+                    self._after_char(status)
             elif state == "call":
                 self._after_char(self._call_char(ch))
             elif state == "between":

@@ -113,6 +113,18 @@ class ToolCallStream:
         """Text that belongs to the current call but not to its JSON (whitespace before the brace)."""
         self._call_raw.append(text)
 
+    def _open_char(self, ch: str) -> str | None:
+        """One character after a call began but before its object's "{": whitespace stays with the call
+        (None: still open), "{" starts the object (_call_char's status), anything else abandons the call,
+        whose text becomes content ("failed")."""
+        if ch in WHITESPACE:
+            self._call_text(ch)
+            return None
+        if ch == "{":
+            return self._call_char(ch)
+        self._call_text(ch)
+        return self._abandon_call()
+
     def _call_char(self, ch: str) -> str:
         """Feeds one character of the call object: "more", "done", "failed" (malformed before its name:
         its text became content) or "broken" (malformed after the name: the call stands as sent)."""
