@@ -30,6 +30,7 @@ from asyncengine.sequence import Sequence
 from asyncengine.spec_decode import accept_drafts
 from asyncengine.stats import EngineStats
 from asyncengine.step_encoder import ENCODE_ERRORS, StepEncoder
+from asyncengine.structured_output.limits import INLINE_COMPILE_CHARS
 from asyncengine.tokenizer import eos_token_ids, load_tokenizer
 from asyncengine.transport.wire import ModelOutput, unpack_ids
 
@@ -37,8 +38,6 @@ if TYPE_CHECKING:
     from asyncengine.structured_output import CompiledGrammar
 
 logger = logging.getLogger(__name__)
-# a structured-output spec longer than this (its JSON) is compiled in a thread, off the event loop
-INLINE_GRAMMAR_CHARS = 4096
 
 
 class InFlight(NamedTuple):
@@ -214,7 +213,7 @@ class AsyncEngine:
     @staticmethod
     def _large_grammar(params: SamplingParams | None) -> bool:
         spec = params.structured_outputs if params is not None else None
-        return spec is not None and len(spec.cache_key()) > INLINE_GRAMMAR_CHARS
+        return spec is not None and len(spec.cache_key()) > INLINE_COMPILE_CHARS
 
     async def _stream(self, state: RequestState) -> AsyncIterator[RequestOutput]:
         try:

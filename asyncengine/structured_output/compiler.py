@@ -2,7 +2,8 @@
 
 One per engine (per tokenizer). compile() is a plain blocking function (about 1 ms: llguidance builds
 its lexer lazily, during the first masks) that releases the GIL while llguidance builds the grammar;
-the engine calls it through asyncio.to_thread. It is thread-safe. A compiled grammar is a pristine
+the engine calls it through asyncio.to_thread for large constraints, which compile under a time limit
+(limits.py). It is thread-safe. A compiled grammar is a pristine
 llguidance matcher that each request deep-copies, so requests with the same schema share the lexer
 states the first of them built.
 """
@@ -18,11 +19,13 @@ import llguidance
 
 from asyncengine.structured_output.errors import StructuredOutputError
 from asyncengine.structured_output.grammar import to_grammar
+from asyncengine.structured_output.limits import compile_limited
 from asyncengine.structured_output.matcher import GrammarMatcher
 from asyncengine.structured_output.spec import KINDS, StructuredOutputsParams
 from asyncengine.structured_output.tokenizer_info import build_ll_tokenizer
 
 DEFAULT_CACHE_SIZE = 256
+MAX_CACHE_CHARS = 64 * 2**20  # constraint and grammar text held by the cache, at most
 
 
 class CacheInfo(NamedTuple):
@@ -76,6 +79,7 @@ class GrammarCompiler:
         self._limits = limits
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_chars = 0
         self._lock = threading.Lock()
         self._hits = 0
         self._misses = 0
@@ -99,21 +103,30 @@ class GrammarCompiler:
                 self._hits += 1
                 return compiled
             self._misses += 1
-        params.validate(names)  # also the types: a Struct built in Python skips msgspec's checks
+        params.validate(names)  # also the types (a Struct built in Python skips msgspec's); once per key
         kind = params.kind
+        param = (names or {}).get(kind, f"structured_outputs.{kind}")
+        compiled = compile_limited(key, param, lambda: self._compile(key, params, param))
+        with self._lock:
+            if key not in self._cache:
+                self._cache_chars += len(key) + len(compiled.grammar)
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
+            # by count and by text: a few hundred distinct 500 KB schemas must not hold gigabytes
+            while len(self._cache) > self._cache_size or (
+                self._cache_chars > MAX_CACHE_CHARS and len(self._cache) > 1
+            ):
+                old_key, old = self._cache.popitem(last=False)
+                self._cache_chars -= len(old_key) + len(old.grammar)
+        return compiled
+
+    def _compile(self, key: str, params: StructuredOutputsParams, param: str) -> CompiledGrammar:
         grammar = to_grammar(params)
         # log_level 0: errors are read back below, not printed on the engine's stderr
         template = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self._limits)
         if template.is_error():  # what only this tokenizer shows (validate() compiled without one)
-            param = (names or {}).get(kind, f"structured_outputs.{kind}")
             raise StructuredOutputError(template.get_error().strip(), param)
-        compiled = CompiledGrammar(key, kind, grammar, template, self.vocab_size, self.eos_token_ids)
-        with self._lock:
-            self._cache[key] = compiled
-            self._cache.move_to_end(key)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return compiled
+        return CompiledGrammar(key, params.kind, grammar, template, self.vocab_size, self.eos_token_ids)
 
     def matcher(
         self,

@@ -9,7 +9,10 @@ answers 400 before the request is queued.
 
 from __future__ import annotations
 
+import hashlib
 import json as jsonlib
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -17,10 +20,17 @@ import msgspec
 
 from asyncengine.structured_output.errors import StructuredOutputError
 from asyncengine.structured_output.grammar import check_grammar, regex_grammar, to_grammar
+from asyncengine.structured_output.limits import compile_limited
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar", "json_object")
 MAX_CHOICES = 4096  # each becomes a Lark alternative; more is a grammar, not a choice list
+# Constraints that passed validate(), by their key's digest: a request's constraint is validated by the
+# API (400 before queueing), by SamplingParams.validate in the engine and before the tokenizer's compile;
+# the tokenizer-free compile is the costly part (~0.25 s for a 300 KB schema) and runs once.
+_VALIDATED_KEYS = 4096
+_validated: OrderedDict[bytes, None] = OrderedDict()
+_validated_lock = threading.Lock()
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
@@ -85,12 +95,29 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
         if self.whitespace_pattern is not None:
             self._check_whitespace_pattern(kind, name("whitespace_pattern"))
         try:
+            key = self.cache_key()
+        except (ValueError, TypeError) as e:  # a schema that is not an object, or not JSON (a set)
+            raise StructuredOutputError(str(e), name(kind)) from e
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+        with _validated_lock:
+            if digest in _validated:
+                _validated.move_to_end(digest)
+                return
+        compile_limited(key, name(kind), lambda: self._check_grammar(name(kind)))
+        with _validated_lock:
+            _validated[digest] = None
+            while len(_validated) > _VALIDATED_KEYS:
+                _validated.popitem(last=False)
+
+    def _check_grammar(self, param: str) -> None:
+        """The tokenizer-free compile (limits.compile_limited runs it, off the caller's thread when large)."""
+        try:
             grammar = to_grammar(self)
         except ValueError as e:  # not JSON, not an object, a GBNF grammar that does not convert
-            raise StructuredOutputError(str(e), name(kind)) from e
+            raise StructuredOutputError(str(e), param) from e
         error = check_grammar(grammar)
         if error is not None:
-            raise StructuredOutputError(error, name(kind))
+            raise StructuredOutputError(error, param)
 
     def _check_whitespace_pattern(self, kind: Kind, param: str) -> None:
         if kind not in ("json", "json_object"):

@@ -165,3 +165,31 @@ def test_constrained_greedy_is_the_same_under_every_layout(model: Path, layout: 
     for (_, check), chunk in zip(CASES.values(), [base[i : i + 3] for i in range(0, len(base), 3)]):
         for text in chunk:
             check(text)
+
+
+def test_a_grammar_over_the_time_limit_fails_alone(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tokenizer's compile of a large schema past the time limit: that request gets the typed error
+    (naming the field), the engine serves the plain request beside it and the next constrained one."""
+    from asyncengine.structured_output import limits
+
+    props = {f"field_{i}": {"type": "string", "pattern": "[a-z]{3,9}"} for i in range(2000)}
+    wide = StructuredOutputsParams(json={"type": "object", "properties": props, "required": list(props)})
+    params = SamplingParams(max_tokens=8, structured_outputs=wide)  # validated under the default limit
+
+    async def run() -> None:
+        engine = await AsyncEngine.start(config(model))
+        try:
+            monkeypatch.setattr(limits, "COMPILE_TIME_LIMIT_S", 0.001)
+            plain = asyncio.create_task(texts(engine, "hello " * 4, SamplingParams(max_tokens=12)))
+            with pytest.raises(StructuredOutputError, match="took longer") as info:
+                await texts(engine, "fill it in", params)
+            assert info.value.param == "structured_outputs.json"
+            (text, reason), *_ = await asyncio.wait_for(plain, 60)
+            assert reason == "length"
+            choice = SamplingParams(max_tokens=32, structured_outputs=CASES["choice"][0])
+            (text, reason), *_ = await texts(engine, "pick", choice)
+            assert text in CHOICES and reason == "stop"
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())

@@ -98,6 +98,14 @@ def test_body_limit_and_unknown_route() -> None:
     assert c.get("/v1/nothing").json()["error"]["code"] == 404
 
 
+def test_a_constraint_over_the_size_cap_is_a_400_naming_it() -> None:
+    """Under the body limit, over structured output's size cap: refused before anything compiles."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(30000)}}
+    r = client(FakeEngine()).post("/v1/completions", json={"prompt": "x", "guided_json": schema})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "guided_json" and "too large" in err["message"], err
+
+
 def test_chat_needs_a_chat_template() -> None:
     body = {"messages": [{"role": "user", "content": "hi"}]}
     assert (
