@@ -137,12 +137,18 @@ def test_large_specs_compile_off_the_loop_and_grammar_survives_preemption(model:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
-    [{"pipeline_parallel_size": 2}, {"num_speculative_tokens": 3}, {"async_scheduling": False}],
-    ids=["pp2", "spec3", "sync"],
+    [
+        {"pipeline_parallel_size": 2},
+        {"tensor_parallel_size": 2},
+        {"num_speculative_tokens": 3},
+        {"async_scheduling": False},
+    ],
+    ids=["pp2", "tp2", "spec3", "sync"],
 )
 def test_constrained_greedy_is_the_same_under_every_layout(model: Path, layout: dict[str, Any]) -> None:
     """Greedy constrained outputs equal the default engine's (async scheduling, one process) with
-    pipeline parallelism (masks on the last stage), speculative decoding (no drafts for constrained
+    pipeline parallelism (masks on the last stage), tensor parallelism (rank 0 masks the gathered logits
+    and samples), speculative decoding (no drafts for constrained
     sequences, drafts for the plain one) and synchronous scheduling."""
     prompts = ["hello", "the cat", "x = 1"]
     plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
