@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -133,3 +135,18 @@ def test_graphs_are_kept_for_the_most_recent_sizes(tiny_model_factory: Any) -> N
             assert out.shape[0] == n  # padding rows sliced off
     if cpu_amx.available():
         assert list(graphs.kernel_graphs) == [40, 32] and graphs.num_captures == 3
+
+
+def test_capture_does_not_import_dynamo() -> None:
+    """torch wraps a dispatch mode's __torch_dispatch__ in a dynamo-disable that imports torch._dynamo at
+    the first op (1.1-1.4 s on a 2-core CPU, once per worker, in the first decode step); the recorder
+    opts out. A fresh interpreter, since another test may have imported dynamo already."""
+    code = (
+        "import sys, torch\n"
+        "from asyncengine.cpu.kernel_graph import KernelGraph\n"
+        "x = torch.arange(6.0)\n"
+        "KernelGraph.capture(lambda: x.view(2, 3) * 2)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
