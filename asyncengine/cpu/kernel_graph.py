@@ -35,10 +35,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from asyncengine.cpu import amx as cpu_amx
 from asyncengine.cpu.attention import load_kernel_library
 from asyncengine.cpu.build import loaded_libraries
 from asyncengine.cpu.ops import load_ops_library
-from asyncengine.cuda.graph_runner import ForwardFn, GraphRunner
+from asyncengine.cuda.graph_runner import ForwardFn, GraphRunner, ModelInputs
 
 logger = logging.getLogger(__name__)
 
@@ -195,10 +196,14 @@ class _recording_kernels:
             setattr(lib, name, fn)
 
 
-def kernel_graph_sizes(max_num_seqs: int) -> list[int]:
-    """Multiples of 16 (and max_num_seqs): the AMX GEMMs compute whole 16-row tiles anyway, so rows padded
-    up to one cost little, and few sizes mean few captures (each costs ~20 ms of Python over its step)."""
-    return sorted({*range(16, max_num_seqs + 1, 16), max_num_seqs})
+def kernel_graph_sizes(max_num_seqs: int, step: int = 16) -> list[int]:
+    """1, 2, 4, 8, then multiples of `step` (and max_num_seqs): few sizes mean few captures (each costs
+    ~20 ms of Python over its step). With AMX every GEMM computes whole 16-row tiles, so rows padded up to
+    a multiple of 16 cost little (step 16); without it (AVX-512 GEMMs, the quantized kernels) a GEMM's
+    time grows with its rows (step 8). Small batches run at their own size: one sequence padded to 16
+    rows made an int8 batch-1 step twice as slow on an AMX-less CPU."""
+    small = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    return sorted({*small, *range(16, max_num_seqs + 1, step), max_num_seqs})
 
 
 class KernelGraphRunner(GraphRunner):
@@ -206,7 +211,8 @@ class KernelGraphRunner(GraphRunner):
     static buffers (GraphRunner.run), captured as a KernelGraph on the first step at that size and
     replayed after that.
     The `max_graphs` most recently used sizes are kept (each keeps its forward's activations alive). If
-    a capture fails, decode steps run eagerly from then on."""
+    a capture fails, decode steps run eagerly from then on, unpadded (the ModelRunner asks
+    uses_static_buffers)."""
 
     def __init__(
         self,
@@ -221,13 +227,17 @@ class KernelGraphRunner(GraphRunner):
             max_num_seqs,
             max_blocks_per_seq,
             "cpu",
-            cuda_graph_sizes=kernel_graph_sizes(max_num_seqs),
+            cuda_graph_sizes=kernel_graph_sizes(max_num_seqs, 16 if cpu_amx.available() else 8),
             pad_slot_id=pad_slot_id,
         )
         self.max_graphs = max_graphs
         self.kernel_graphs: OrderedDict[int, KernelGraph] = OrderedDict()
         self.enabled = True
         self.num_captures = 0
+
+    def uses_static_buffers(self, inputs: ModelInputs) -> bool:
+        # once a capture has failed, decode runs eagerly at its own size: padding buys nothing then
+        return self.enabled and super().uses_static_buffers(inputs)
 
     def capture(self) -> None:
         logger.info(

@@ -109,8 +109,8 @@ class ModelRunner:
         # Decode steps of the first stage go through the GraphRunner on a GPU (CUDA graphs; eager on
         # padded static buffers with enforce_eager). Later stages receive their input from the previous
         # stage and run eagerly (see docs/architecture.md). On a CPU with the C kernels a single-rank,
-        # single-stage worker replays kernel graphs (cpu/kernel_graph.py), padded to multiples of 16
-        # rows. (A pipeline stage's output leaves the process while the next step may already
+        # single-stage worker replays kernel graphs (cpu/kernel_graph.py), padded to one of a few
+        # sizes. (A pipeline stage's output leaves the process while the next step may already
         # overwrite the captured buffers, and collectives are not replayed: those run eagerly.)
         max_blocks = -(-self.max_model_len // self.block_size)
         single = self.parallel.is_first_stage and self.parallel.is_last_stage and self.parallel.tp_size == 1
@@ -252,18 +252,21 @@ class ModelRunner:
         `grammar`: (seq ids, packed bitmask rows) of the structured-output sequences, whose logits are
         masked to their grammars' allowed tokens before sampling."""
         meta = model_input.meta
-        if self.graph_runner is not None and intermediate is None and meta.is_decode_only:
+        inputs = ModelInputs(
+            model_input.input_ids,
+            model_input.positions,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+        )
+        if (
+            self.graph_runner is not None
+            and intermediate is None
+            and self.graph_runner.uses_static_buffers(inputs)
+        ):
             self._decode_meta = meta
-            out = self.graph_runner.run(
-                ModelInputs(
-                    model_input.input_ids,
-                    model_input.positions,
-                    meta.slot_mapping,
-                    meta.block_tables,
-                    meta.seq_lens,
-                    meta.query_start_loc,
-                )
-            )
+            out = self.graph_runner.run(inputs)
         else:
             with forward_context(meta):
                 out = self.model(model_input.input_ids, model_input.positions, intermediate)

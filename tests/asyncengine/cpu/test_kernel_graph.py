@@ -102,10 +102,12 @@ def test_replay_matches_eager_step_by_step(
                 s.num_computed_tokens += 1
                 s.token_ids.append(t)
     if captured and cpu_amx.available():  # without AMX the linears are oneDNN torch ops: eager throughout
-        # 6 and then 3 sequences both run padded to max_num_seqs (8): one graph
-        assert graphs.enabled and graphs.num_captures == 1 and set(graphs.kernel_graphs) == {8}
+        # 6 and then 3 sequences run padded to sizes 8 and 4: two graphs
+        assert graphs.enabled and graphs.num_captures == 2 and set(graphs.kernel_graphs) == {8, 4}
     if not captured:
         assert not graphs.enabled and not graphs.kernel_graphs
+    # once a capture has failed, the ModelRunner runs decode unpadded, outside the static buffers
+    assert graphs.uses_static_buffers(decode_inputs(runner, seqs, 12)) == graphs.enabled
 
 
 def test_ops_that_freeze_step_data_abort_the_capture() -> None:
@@ -125,12 +127,15 @@ def test_torch_ops_are_recomputed_views_are_not() -> None:
 
 
 def test_graphs_are_kept_for_the_most_recent_sizes(tiny_model_factory: Any) -> None:
-    assert kernel_graph_sizes(40) == [16, 32, 40] and kernel_graph_sizes(8) == [8]
+    assert kernel_graph_sizes(40) == [1, 2, 4, 8, 16, 32, 40] and kernel_graph_sizes(8) == [1, 2, 4, 8]
+    assert kernel_graph_sizes(40, 8) == [1, 2, 4, 8, 16, 24, 32, 40]
     runner, graphs = make_runner(tiny_model_factory("llama"), 40, 64, 64)
+    step = 16 if cpu_amx.available() else 8  # AMX: whole 16-row tiles; else rows cost time
+    assert graphs.capture_sizes == kernel_graph_sizes(40, step)
     graphs.max_graphs = 2
     seqs = [SeqState(i, [3 + i, 4, 5], 3, [i], 0, SamplingOptions(temperature=0.0)) for i in range(40)]
     with torch.inference_mode():
-        for n in (1, 17, 33, 20):  # sizes 16, 32, 40 (evicts 16), 32 again
+        for n in (1, 17, 33, 20):  # sizes 1, 32 | 24, 40 (evicts 1), 32 | 24 again
             out = graphs.run(decode_inputs(runner, seqs[:n], 0))
             assert out.shape[0] == n  # padding rows sliced off
     if cpu_amx.available():
