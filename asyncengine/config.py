@@ -62,6 +62,14 @@ class EngineConfig:
             "AWQ, FP8, compressed-tensors) are read from their config.json without this flag"
         },
     )
+    lm_head_quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "int8: also quantize the LM head (the logits GEMM) to int8 per vocabulary row at load "
+            "time, as llama.cpp does its output tensor; any checkpoint, quantized or not. Off by default (as "
+            "in vLLM): logits move by about half a percent of their range"
+        },
+    )
     kv_cache_dtype: str = field(
         default="auto",
         metadata={
@@ -183,6 +191,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.lm_head_quantization not in (None, "int8"):
+            raise ConfigError(
+                f"lm_head_quantization must be int8 (or unset), got {self.lm_head_quantization!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.device not in DEVICES:

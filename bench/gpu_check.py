@@ -70,6 +70,7 @@ def decode_throughput(
     steps: int,
     device: str = "cuda",
     quantization: str | None = None,
+    lm_head_quantization: str | None = None,
 ) -> float:
     """Decode tokens/s of a ModelRunner driven directly (no engine): a 128-token prefill, then `steps`
     greedy decode steps. device="cpu" runs the same code with the CPU backend (the tests do, so this
@@ -91,6 +92,7 @@ def decode_throughput(
         max_num_seqs=64,
         enforce_eager=eager,
         quantization=quantization,
+        lm_head_quantization=lm_head_quantization,
     )
     runner = ModelRunner(cfg, ParallelContext(), dev, torch.bfloat16, 1024)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

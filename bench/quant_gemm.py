@@ -5,12 +5,14 @@
    bfloat16 GEMM (cpu/gemm.py: AMX tiles or oneDNN) and against dequantize-then-matmul (the PyTorch
    fallback), at M = 1, 16, 64, 256 for the medium model's layer shapes and a 7B-sized one;
 2. decode tokens/s of the bench's medium Llama (~100M, hidden 768, 12 layers) at batch 1 and 16 as
-   bfloat16, `--quantization int8` and a GPTQ int4 checkpoint (group 128, written here), each driven
-   through a ModelRunner (bench/gpu_check.py's loop on the CPU backend), with the resident bytes of
-   the linear layers' weights per format.
+   bfloat16, `--quantization int8` and a GPTQ int4 checkpoint (group 128, written here), each also with
+   `--lm-head-quantization int8` ("+head": this model's 32000 x 768 head is 23% of its bfloat16 weight
+   bytes and over half of int4's), each driven through a ModelRunner (bench/gpu_check.py's loop on the
+   CPU backend), with the resident bytes of the linear layers' weights and of the head per format.
 
     python bench/quant_gemm.py                 # both parts, 1 thread
     python bench/quant_gemm.py --skip-decode --threads 2
+    python bench/quant_gemm.py --skip-gemm --threads 2   # the decode rows only
 Writes bench/out/quant_gemm.json.
 """
 
@@ -135,57 +137,70 @@ def write_gptq_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
-def linear_weight_bytes(model_dir: Path, quantization: str | None) -> int:
-    """Resident bytes of the decoder layers' linear weights after loading (bfloat16 for plain ones)."""
+def weight_bytes(model_dir: Path, quantization: str | None, lm_head: str | None) -> tuple[int, int]:
+    """Resident bytes of the decoder layers' linear weights and of the LM head after loading (bfloat16
+    for plain ones; scales, zero points and padding included)."""
+    from asyncengine.layers.embedding import ParallelLMHead
     from asyncengine.layers.parallel import ParallelContext
     from asyncengine.models.loader import load_model
     from asyncengine.quantization.kernels import resident_bytes
 
     model = load_model(
-        str(model_dir), ParallelContext(), torch.bfloat16, torch.device("cpu"), quantization=quantization
+        str(model_dir),
+        ParallelContext(),
+        torch.bfloat16,
+        torch.device("cpu"),
+        quantization=quantization,
+        lm_head_quantization=lm_head,
     )
-    total = 0
+    layers = head = 0
     for module in model.modules():
-        if getattr(module, "quant_weight", None) is not None:
-            total += resident_bytes(module.quant_weight)
+        if isinstance(module, ParallelLMHead):
+            head = resident_bytes(module.quant_weight) if module.quant_weight is not None else 0
+            head += module.weight.numel() * module.weight.element_size()
+        elif getattr(module, "quant_weight", None) is not None:
+            layers += resident_bytes(module.quant_weight)
         elif hasattr(module, "quant_method") and module.weight.numel():
-            total += module.weight.numel() * module.weight.element_size()
-    return total
+            layers += module.weight.numel() * module.weight.element_size()
+    return layers, head
+
+
+def linear_weight_bytes(model_dir: Path, quantization: str | None) -> int:
+    """The decoder layers' linear weight bytes (bench/llamacpp_compare.py's column)."""
+    return weight_bytes(model_dir, quantization, None)[0]
 
 
 def decode_rows(steps: int) -> list[list[object]]:
+    """Decode tokens/s per format at batch 1 and 16, then the weight MiB rows; ratios over bf16."""
     from gpu_check import decode_throughput
 
     medium = build_model("medium")
     int4 = write_gptq_checkpoint(medium, medium.parent / "medium-gptq4")
-    formats = {"bf16": (medium, None), "int8": (medium, "int8"), "int4": (int4, None)}
-    sizes = {name: linear_weight_bytes(path, q) for name, (path, q) in formats.items()}
-    rows = []
+    formats = {  # name: (checkpoint, --quantization, --lm-head-quantization)
+        "bf16": (medium, None, None),
+        "int8": (medium, "int8", None),
+        "int4": (int4, None, None),
+        "int8+head": (medium, "int8", "int8"),
+        "int4+head": (int4, None, "int8"),
+    }
+    sizes = {name: weight_bytes(*spec) for name, spec in formats.items()}
+    rows: list[list[object]] = []
     for batch in (1, 16):
         tok_s = {
-            name: decode_throughput(path, batch, False, steps, device="cpu", quantization=q)
-            for name, (path, q) in formats.items()
+            name: decode_throughput(
+                path, batch, False, steps, device="cpu", quantization=q, lm_head_quantization=h
+            )
+            for name, (path, q, h) in formats.items()
         }
-        rows.append(
-            [
-                batch,
-                tok_s["bf16"],
-                tok_s["int8"],
-                tok_s["int4"],
-                tok_s["int8"] / tok_s["bf16"],
-                tok_s["int4"] / tok_s["bf16"],
-            ]
-        )
+        rows.append([batch, *tok_s.values(), *(tok_s[f] / tok_s["bf16"] for f in FORMATS_X)])
         print(rows[-1], flush=True)
-    rows.append(
-        [
-            "weight MiB",
-            *(sizes[f] / 2**20 for f in ("bf16", "int8", "int4")),
-            sizes["int8"] / sizes["bf16"],
-            sizes["int4"] / sizes["bf16"],
-        ]
-    )
+    for i, what in enumerate(("layers MiB", "head MiB")):
+        mib = {f: sizes[f][i] / 2**20 for f in formats}
+        rows.append([what, *mib.values(), *(mib[f] / mib["bf16"] for f in FORMATS_X)])
     return rows
+
+
+FORMATS_X = ("int8", "int4", "int8+head", "int4+head")
 
 
 def main() -> int:
@@ -195,25 +210,38 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--skip-gemm", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not quant_gemm.available():
         print("the quantized CPU kernel could not be built (no C compiler?)")
         return 1
     print(load_line(machine_info()))
-    gemm = gemm_rows(args.threads)
-    print("\nGEMM, ms per call (bfloat16 activations) and speed-up over bf16:")
-    print(
-        table(
-            ["layer", "M", "bf16", "int8 fused", "int4 fused", "int4 deq+mm", "int8 x", "int4 x", "deq+mm x"],
-            gemm,
-            digits=3,
+    gemm = [] if args.skip_gemm else gemm_rows(args.threads)
+    if gemm:
+        print("\nGEMM, ms per call (bfloat16 activations) and speed-up over bf16:")
+        print(
+            table(
+                [
+                    "layer",
+                    "M",
+                    "bf16",
+                    "int8 fused",
+                    "int4 fused",
+                    "int4 deq+mm",
+                    "int8 x",
+                    "int4 x",
+                    "deq+mm x",
+                ],
+                gemm,
+                digits=3,
+            )
         )
-    )
     decode = [] if args.skip_decode else decode_rows(args.steps)
     if decode:
         print("\nDecode, medium model (tokens/s), and the linear layers' resident weight bytes:")
-        print(table(["batch", "bf16", "int8", "int4", "int8 x", "int4 x"], decode, digits=2))
+        headers = ["batch", "bf16", "int8", "int4", "int8+head", "int4+head", *(f"{f} x" for f in FORMATS_X)]
+        print(table(headers, decode, digits=2))
     write_json(
         OUT / "quant_gemm.json",
         {"machine": machine_info(), "threads": args.threads, "gemm": gemm, "decode": decode},

@@ -63,6 +63,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocabulary; each rank computes its vocab slice, then all-gather."""
 
     packed: cpu_gemm.PackedWeight | None = None  # the weight packed for CPU GEMMs (cpu/gemm.py)
+    quant_weight: Any = None  # quantization.kernels.KernelWeight once quantize_int8() ran
     tied = False
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
@@ -70,15 +71,34 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
         self.tied = True
 
+    def quantize_int8(self) -> None:
+        """--lm-head-quantization int8: the logits GEMM reads int8 codes with per-row scales (this rank's
+        vocab rows; padding rows stay zero) through the quantized kernels. A weight-only, load-time
+        choice, as llama.cpp quantizes its output tensor: on a small model the head is a large share of a
+        decode step's bytes. A tied weight stays for the embedding lookup too."""
+        from asyncengine.quantization import kernels
+        from asyncengine.quantization.int8 import int8_canonical, quantize_rows
+
+        codes, scales = quantize_rows(self.weight.data)
+        self.quant_weight = kernels.prepare(int8_canonical(codes, scales), self.weight.device)
+        if not self.tied:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+
     def prepack(self) -> bool:
         """Packs the weight for the logits GEMM; a tied weight stays for the embedding lookup too."""
+        if self.quant_weight is not None:
+            return False
         self.packed = cpu_gemm.prepack(self.weight)
         if self.packed is not None and not self.tied:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
         return self.packed is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab], model dtype
-        if self.packed is not None:
+        if self.quant_weight is not None:
+            from asyncengine.quantization import kernels
+
+            logits = kernels.linear(hidden, self.quant_weight, None)  # [N, per_rank]
+        elif self.packed is not None:
             logits = cpu_gemm.linear(hidden, self.packed, None)  # [N, per_rank]
         else:
             logits = F.linear(hidden, self.weight)  # [N, per_rank]

@@ -93,6 +93,7 @@ def load_model(
     device: torch.device,
     progress: bool = False,
     quantization: str | None = None,
+    lm_head_quantization: str | None = None,
 ) -> nn.Module:
     """Builds this rank's shard of the model on `device` in `dtype` and loads its weights.
 
@@ -118,6 +119,12 @@ def load_model(
         for module in model.modules():  # codes and scales into each kernel's layout
             if callable(getattr(module, "process_weights_after_loading", None)):
                 module.process_weights_after_loading()
+    if lm_head_quantization == "int8":
+        from asyncengine.layers.embedding import ParallelLMHead
+
+        for module in model.modules():
+            if isinstance(module, ParallelLMHead):
+                module.quantize_int8()
     return model.eval()
 
 

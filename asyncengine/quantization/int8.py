@@ -45,7 +45,12 @@ class Int8LinearMethod(QuantLinearMethod):
         weight.weight_loader = load_quantized  # type: ignore[attr-defined]
 
     def canonical(self, layer: Any) -> Canonical:
-        codes = (layer.weight.cpu().to(torch.int16) + 128).to(torch.uint8)  # [N, K], zero point 128
-        scales = layer.weight_scale.cpu()[None, :]  # [1, N]
-        groups = torch.zeros(layer.in_per_rank, dtype=torch.int64)
-        return build(codes, groups, scales, torch.full_like(scales, 128.0), QTYPE_U8)
+        return int8_canonical(layer.weight, layer.weight_scale)
+
+
+def int8_canonical(codes: torch.Tensor, scales: torch.Tensor) -> Canonical:
+    """int8 codes [N, K] and per-row scales [N] (quantize_rows) in the kernels' layout: one group."""
+    unsigned = (codes.cpu().to(torch.int16) + 128).to(torch.uint8)  # [N, K], zero point 128
+    scale_rows = scales.cpu().float()[None, :]  # [1, N]
+    groups = torch.zeros(codes.shape[1], dtype=torch.int64)
+    return build(unsigned, groups, scale_rows, torch.full_like(scale_rows, 128.0), QTYPE_U8)

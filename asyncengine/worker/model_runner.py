@@ -82,7 +82,13 @@ class ModelRunner:
         self.kv_dtype = torch.float8_e5m2 if config.kv_cache_dtype == "fp8_e5m2" else dtype
         self.block_size = config.block_size
         self.model: nn.Module = load_model(
-            config.model, parallel, dtype, device, progress=progress, quantization=config.quantization
+            config.model,
+            parallel,
+            dtype,
+            device,
+            progress=progress,
+            quantization=config.quantization,
+            lm_head_quantization=config.lm_head_quantization,
         )
         if device.type == "cpu":
             cpu_gemm.prepack_model(self.model)  # weights in oneDNN's layout: no re-packing per GEMM
