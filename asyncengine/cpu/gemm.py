@@ -1,5 +1,9 @@
 """The linear layers' GEMMs on CPU, with each weight reordered once: bfloat16 into AMX tiles where the CPU
-has AMX (cpu/amx.py, faster at a decode step's M), otherwise into oneDNN's blocked layout.
+has AMX (cpu/amx.py, faster at a decode step's M), bfloat16 into the quantized kernel's 16-row blocks
+where the CPU has AVX512-BF16 but no AMX (cpu/quant_gemm.py's QT_BF16: measured on an AMD EPYC with 2
+threads, 1.1-1.7x oneDNN at M = 1-16 and 0.95-1.08x from M = 64 to 1024 on the bench's medium layers and
+a 7B-sized one, and every linear a C kernel lets decode steps replay as kernel graphs), otherwise (float32,
+or bfloat16 elsewhere) into oneDNN's blocked layout.
 
 `F.linear` hands MKL / oneDNN a plain row-major weight, and for the small-M GEMMs of a decode step
 (M = the batch) the library re-packs the whole weight on every call: profiled at ~12% of a float32
@@ -27,11 +31,13 @@ from functools import cache
 import torch
 from torch import nn
 
-from asyncengine.cpu import amx
+from asyncengine.cpu import amx, quant_gemm
 from asyncengine.cpu.amx import AmxWeight
+from asyncengine.cpu.quant_gemm import QuantWeight
 
-# a packed weight: AMX tiles (bfloat16 on an AMX CPU) or an opaque oneDNN tensor
-PackedWeight = AmxWeight | torch.Tensor
+# a packed weight: AMX tiles (bfloat16 on an AMX CPU), the quantized kernel's bfloat16 blocks (bfloat16 on
+# an AVX512-BF16 CPU without AMX) or an opaque oneDNN tensor
+PackedWeight = AmxWeight | QuantWeight | torch.Tensor
 
 # The M the blocked layout is chosen for. Any M works with it; 64..2048 measured alike, 1 was worse.
 BATCH_HINT = 128
@@ -74,6 +80,10 @@ def prepack(weight: torch.Tensor) -> PackedWeight | None:
         tiles = amx.pack(weight)  # None unless bfloat16 on an AMX CPU
         if tiles is not None:
             return tiles
+        if weight.dtype == torch.bfloat16 and quant_gemm.native_bf16():
+            packed = quant_gemm.pack_bf16(weight)
+            if packed is not None:
+                return packed
     if not enabled():
         return None
     if weight.dtype == torch.float32 and weight.numel() * weight.element_size() < FP32_PACK_MIN_BYTES:
@@ -106,6 +116,8 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
     """[T, in] -> [T, out]: x W^T + b with a weight from `prepack` (oneDNN: at a bucketed row count)."""
     if isinstance(packed, AmxWeight):
         return amx.linear(x, packed, bias)  # any M: no primitives to cache
+    if isinstance(packed, quant_gemm.QuantWeight):
+        return quant_gemm.linear(x, packed, bias)
     rows = x.shape[0]
     padded = bucket_rows(rows) if x.dim() == 2 else rows
     if padded != rows:

@@ -25,6 +25,7 @@ from asyncengine.cpu.build import build_library
 
 SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
 QTYPE_U4, QTYPE_U8, QTYPE_FP8 = 0, 1, 2  # the kernel's code types (canonical.QTYPE_* are the same)
+QTYPE_BF16 = 3  # plain bfloat16 weights (pack_bf16): no scales or zeros to apply
 BLOCK = 16  # output rows per block: one float32 vector
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 
@@ -32,7 +33,7 @@ _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 class QuantWeight(NamedTuple):
     """A [out, in] weight in the kernel's layout (see csrc/quant_gemm.c)."""
 
-    data: torch.Tensor  # [blocks, K_int / 2 (4-bit) or K_int, 16] uint8
+    data: torch.Tensor  # [blocks, K_int / 2 (4-bit) or K_int, 16] uint8; bfloat16: [blocks, K_int / 2, 16, 2]
     scales: torch.Tensor  # [blocks, G, 16] float32 (e4m3: scale * 256)
     zeros: torch.Tensor | None  # [blocks, G, 16] float32; None for e4m3
     perm: torch.Tensor | None  # [K_int] int64 input column per internal column, -1 reads zero
@@ -62,11 +63,22 @@ def load_library(portable: bool = False) -> ctypes.CDLL | None:
         return None
     lib.qgemm.restype = _I
     lib.qgemm.argtypes = [_P, _L, _I, _I, _P, _P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I]
+    lib.qgemm_native_bf16.restype = _I
+    lib.qgemm_native_bf16.argtypes = []
     return lib
 
 
 def available(portable: bool = False) -> bool:
     return load_library(portable) is not None
+
+
+def native_bf16() -> bool:
+    """The kernel multiplies bfloat16 on vdpbf16ps here (AVX512-BF16): cpu/gemm.py then gives it the bfloat16
+    linears of a CPU without AMX (pack_bf16). ASYNCENGINE_CPU_BF16_KERNEL=0 keeps them on oneDNN (A/B)."""
+    if os.environ.get("ASYNCENGINE_CPU_BF16_KERNEL", "1") == "0":
+        return False
+    lib = load_library()
+    return lib is not None and bool(lib.qgemm_native_bf16())
 
 
 def _blocked(t: torch.Tensor, n: int) -> torch.Tensor:  # [G, N] -> [blocks, G, 16] float32
@@ -101,6 +113,23 @@ def pack(
     z = _blocked(zeros, n) if zeros is not None else None
     p = perm.to(torch.int64).contiguous() if perm is not None else None
     return QuantWeight(data, s, z, p, qtype, n, in_features, k_int, group_size, portable)
+
+
+def pack_bf16(weight: torch.Tensor, portable: bool = False) -> QuantWeight | None:
+    """A [N, K] bfloat16 weight in the kernel's bfloat16 layout: per 16-row block, each pair of columns
+    (2p, 2p + 1) as 16 (row) x 2 values, one 64-byte vector, the operand vdpbf16ps takes as it is. K is
+    padded to even with a zero column. None where the library cannot be built (or is turned off)."""
+    if load_library(portable) is None:
+        return None
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        raise TypeError(f"pack_bf16 takes a 2-D bfloat16 weight, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    w = F.pad(weight.detach(), (0, k % 2, 0, -n % BLOCK))  # [N', K_int]
+    k_int = w.shape[1]
+    data = w.view(torch.int16).view(-1, BLOCK, k_int // 2, 2).transpose(1, 2).contiguous()
+    blocks = data.shape[0]
+    scales = torch.ones(blocks, 1, BLOCK)
+    return QuantWeight(data, scales, None, None, QTYPE_BF16, n, k, k_int, k_int, portable)
 
 
 def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:

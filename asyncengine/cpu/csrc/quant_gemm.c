@@ -1,10 +1,12 @@
 /* Weight-only quantized GEMM: out = x W^T + b with W held as 4-bit / 8-bit codes or float8 e4m3,
- * dequantized in registers (never a whole weight per call).
+ * dequantized in registers (never a whole weight per call); also plain bfloat16 weights (QT_BF16, scales
+ * one and no zeros), for CPUs without AMX, where this kernel's tiles beat oneDNN at decode sizes.
  *
  * Weight layout (cpu/quant_gemm.py packs it): output rows in blocks of 16 (one float32 vector), each
  * block a run of k steps of 16 bytes, byte j for row 16 b + j:
  *   4-bit: step p holds columns 2p (low nibble) and 2p + 1 (high nibble)  -> [blocks][K / 2][16]
  *   8-bit and e4m3: step k holds column k                                -> [blocks][K][16]
+ *   bfloat16: step p holds the pairs (column 2p, column 2p + 1), 4 bytes a row -> [blocks][K / 2][16][2]
  * scales and zeros: [blocks][G][16] float32, group g covering columns [g * gs, (g + 1) * gs).
  * w = (code - zero) * scale; e4m3 is widened to half precision (a shift) and converted by vcvtph2ps,
  * which yields w / 256: the packer stores scale * 256 for it (exact: a power of two).
@@ -26,11 +28,15 @@
 #define QT_U4 0
 #define QT_U8 1
 #define QT_FP8 2
+#define QT_BF16 3
 #define MT 8
 #define PAR_MIN (1L << 16) /* multiply-adds below which waking threads costs more than it saves */
 
 
-long qgemm_step_bytes(int k_int, int qtype) { return (long)(qtype == QT_U4 ? k_int / 2 : k_int) * 16; }
+/* bytes of one block's weights (16 rows, all k_int columns) */
+long qgemm_step_bytes(int k_int, int qtype) {
+    return (long)(qtype == QT_U4 ? k_int / 2 : qtype == QT_BF16 ? 2 * k_int : k_int) * 16;
+}
 
 /* activations [m, k_int] float32: widened, permuted, zero-padded */
 static void gather_x(const void *x, long x_stride, int x_bf16, int k_in, const long *perm, float *xs, int m,
@@ -82,6 +88,9 @@ static inline void dequant_step(const uint8_t *wb, int k, int qtype, const float
     } else if (qtype == QT_U8) {
         const uint8_t *p = wb + (long)k * 16;
         for (int j = 0; j < 16; j++) w[j] = ((float)p[j] - z[j]) * s[j];
+    } else if (qtype == QT_BF16) {
+        const uint16_t *p = (const uint16_t *)wb + (long)(k >> 1) * 32 + (k & 1);
+        for (int j = 0; j < 16; j++) w[j] = bf16_to_f32(p[2 * j]) * s[j];
     } else {
         const uint8_t *p = wb + (long)k * 16;
         for (int j = 0; j < 16; j++) w[j] = e4m3_to_f32_over_256(p[j]) * s[j];
@@ -119,6 +128,20 @@ static inline __attribute__((always_inline)) void block_direct(int rows, const f
                 const __m512i hi = _mm512_srli_epi32(v, 4);
                 const __m512 w0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(lo), z), s);
                 const __m512 w1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(hi), z), s);
+                for (int r = 0; r < rows; r++) {
+                    const float *xr = xs + (long)r * k_int + k;
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), w0, acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), w1, acc[r]);
+                }
+            }
+        } else if (qtype == QT_BF16) {
+            for (int k = k0; k < k1; k += 2) {
+                const uint8_t *p = wb + (long)k * 32;
+                _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0);
+                const __m512i v = _mm512_loadu_si512(p); /* lane j: (column k, column k + 1) of row j */
+                const __m512 w0 = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), s);
+                const __m512 w1 =
+                    _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000))), s);
                 for (int r = 0; r < rows; r++) {
                     const float *xr = xs + (long)r * k_int + k;
                     acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), w0, acc[r]);
@@ -167,10 +190,31 @@ static inline __attribute__((always_inline)) void block_strip(int rows, const fl
     default: CALL(8); break;                                                                               \
     }
 
+/* 16 float32 lanes -> bfloat16, rounded as f32_to_bf16 rounds (to nearest even; NaN stays NaN) */
+static inline __m256i bf16x16_of(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __mmask16 nan =
+        _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 static void store_tile(const __m512 *acc, int rows, int r0, int col0, int n, void *out, long out_stride,
                        int out_bf16, const void *bias) {
     float tmp[16];
     const int width = n - col0 < 16 ? n - col0 : 16;
+    if (out_bf16 && width == 16) { /* a whole block: vector stores */
+        const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)bias + col0))), 16))
+                              : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const __m512 v = bias ? _mm512_add_ps(acc[r], b) : acc[r];
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + (long)(r0 + r) * out_stride + col0), bf16x16_of(v));
+        }
+        return;
+    }
     for (int r = 0; r < rows; r++) {
         _mm512_storeu_ps(tmp, acc[r]);
         for (int j = 0; j < width; j++) store_value(out, out_stride, out_bf16, r0 + r, col0 + j, tmp[j], bias);
@@ -190,6 +234,7 @@ static inline __m512i bf16_of_f32(__m512 v) { return _mm512_srli_epi32(_mm512_ca
 
 /* lane j: the bfloat16 pair (column k, column k + 1) of the block's row j, k even */
 static inline __m512i code_pairs(const uint8_t *wb, int k, int qtype, __m512i lut) {
+    if (qtype == QT_BF16) return _mm512_loadu_si512(wb + (long)k * 32); /* already the pairs */
     if (qtype == QT_U4) {
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wb + (long)(k >> 1) * 16)));
         const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(15)),
@@ -219,7 +264,8 @@ static inline __attribute__((always_inline)) void block_dp(int rows, const uint1
         for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
         for (int k = g * gs; k < (g + 1) * gs; k += 2) {
             const __m512bh w = (__m512bh)code_pairs(wb, k, qtype, lut);
-            _mm_prefetch((const char *)(wb + (long)k * (qtype == QT_U4 ? 8 : 16) + 1024), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + (long)k * (qtype == QT_U4 ? 8 : qtype == QT_BF16 ? 32 : 16) + 1024),
+                         _MM_HINT_T0);
             for (int r = 0; r < rows; r++) {
                 int32_t pair;
                 memcpy(&pair, xb + (long)r * k_int + k, 4);
@@ -230,6 +276,30 @@ static inline __attribute__((always_inline)) void block_dp(int rows, const uint1
         const __m512 z = zb ? _mm512_loadu_ps(zb + g * 16) : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++)
             out[r] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), acc[r]), out[r]);
+    }
+}
+
+/* bfloat16 weights: NB blocks (NB * 16 output columns) at once against `rows` activation rows, so a
+ * weight load feeds `rows` dot products and an activation broadcast NB of them (up to 24 accumulators in
+ * registers), and NB independent chains hide vdpbf16ps's latency at one row. Per output the sum still
+ * runs over k in one order, whatever the tile. */
+#define NB_MAX 3
+static inline __attribute__((always_inline)) void tile_bf16(int rows, int nb, const uint16_t *xb, long x_stride,
+                                                            int k_int, const uint8_t *wb, long bstride, __m512 *acc) {
+    for (int i = 0; i < nb * MT; i++) acc[i] = _mm512_setzero_ps();
+    for (int k = 0; k < k_int; k += 2) {
+        __m512bh w[NB_MAX];
+        for (int j = 0; j < nb; j++) {
+            const uint8_t *p = wb + j * bstride + (long)k * 32;
+            w[j] = (__m512bh)_mm512_loadu_si512(p);
+            _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0);
+        }
+        for (int r = 0; r < rows; r++) {
+            int32_t pair;
+            memcpy(&pair, xb + (long)r * x_stride + k, 4);
+            const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+            for (int j = 0; j < nb; j++) acc[j * MT + r] = _mm512_dpbf16_ps(acc[j * MT + r], w[j], x);
+        }
     }
 }
 #endif
@@ -286,12 +356,48 @@ static void run_block(int b, const float *xs, int m, int n, int k_int, int gs, i
 }
 
 #ifdef HAVE_DPBF16
+/* bfloat16 weights: tiles of NB_MAX blocks x MT rows (tile_bf16); x: bfloat16 rows x_stride apart, k_int
+ * wide (gathered, or the caller's own when nothing is to be gathered). */
+static int bf16_weights(const void *x, long x_stride, const uint8_t *w, const void *bias, void *out, long out_stride,
+                        int m, int n, int k_int, int num_threads) {
+    const int blocks = (n + 15) / 16;
+    const long bstride = qgemm_step_bytes(k_int, QT_BF16);
+    const int tiles = (blocks + NB_MAX - 1) / NB_MAX;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && tiles > 1)
+    for (int t = 0; t < tiles; t++) {
+        const int b0 = t * NB_MAX, nb = blocks - b0 < NB_MAX ? blocks - b0 : NB_MAX;
+        __m512 acc[NB_MAX * MT];
+        for (int r0 = 0; r0 < m; r0 += MT) {
+            const int rows = m - r0 < MT ? m - r0 : MT;
+            const uint16_t *xr = (const uint16_t *)x + (long)r0 * x_stride;
+            const uint8_t *wb = w + b0 * bstride;
+#define T1(R) tile_bf16(R, 1, xr, x_stride, k_int, wb, bstride, acc)
+#define T2(R) tile_bf16(R, 2, xr, x_stride, k_int, wb, bstride, acc)
+#define T3(R) tile_bf16(R, 3, xr, x_stride, k_int, wb, bstride, acc)
+            if (nb == 3) {
+                ROWS_SWITCH(T3)
+            } else if (nb == 2) {
+                ROWS_SWITCH(T2)
+            } else {
+                ROWS_SWITCH(T1)
+            }
+#undef T1
+#undef T2
+#undef T3
+            for (int j = 0; j < nb; j++) store_tile(acc + j * MT, rows, r0, (b0 + j) * 16, n, out, out_stride, 1, bias);
+        }
+    }
+    return 0;
+}
+
 /* bfloat16 activations: gathered (permuted, zero-padded) as bfloat16 with their per-group sums, then
  * MT-row tiles per block through block_dp. */
 static int qgemm_bf16(const void *x, long x_stride, int k_in, const long *perm, const uint8_t *w,
                       const float *scales, const float *zeros, const void *bias, void *out, long out_stride, int m,
                       int n, int k_int, int gs, int qtype, int num_threads) {
     const int groups = k_int / gs, blocks = (n + 15) / 16;
+    if (qtype == QT_BF16 && !perm && k_in == k_int) /* rows read in place: no gather, no group sums */
+        return bf16_weights(x, x_stride, w, bias, out, out_stride, m, n, k_int, num_threads);
     uint16_t *xb = aligned_alloc(64, ((size_t)m * k_int * 2 + 63) / 64 * 64);
     float *xsum = aligned_alloc(64, ((size_t)m * groups * 4 + 63) / 64 * 64);
     if (!xb || !xsum) {
@@ -311,6 +417,12 @@ static int qgemm_bf16(const void *x, long x_stride, int k_in, const long *perm, 
             for (int k = g * gs; k < (g + 1) * gs; k++) sum += bf16_to_f32(dst[k]);
             xsum[r * groups + g] = sum;
         }
+    }
+    if (qtype == QT_BF16) { /* gathered (odd K padded): one group, scale one, no zeros */
+        const int rc = bf16_weights(xb, k_int, w, bias, out, out_stride, m, n, k_int, num_threads);
+        free(xb);
+        free(xsum);
+        return rc;
     }
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && blocks > 1)
     for (int b = 0; b < blocks; b++) {
@@ -333,6 +445,16 @@ static int qgemm_bf16(const void *x, long x_stride, int k_in, const long *perm, 
     return 0;
 }
 #endif
+
+/* 1 where bfloat16 activations run on vdpbf16ps (this build has AVX512-BF16): where bfloat16 weights
+ * (QT_BF16) are worth this kernel rather than oneDNN (cpu/gemm.py asks). */
+int qgemm_native_bf16(void) {
+#ifdef HAVE_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* out[m, n] = x[m, :] W^T + bias. x: float32 (x_bf16 = 0) or bfloat16 rows x_stride elements apart, k_in
  * wide; out and bias in the same dtype. Returns 0, or -2 when scratch memory could not be allocated. */

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from asyncengine.cpu import amx as cpu_amx
 from asyncengine.cpu import gemm as cpu_gemm
+from asyncengine.cpu import quant_gemm
 from asyncengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncengine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from asyncengine.layers.parallel import ParallelContext
@@ -24,11 +25,16 @@ def pack_small_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_gemm, "FP32_PACK_MIN_BYTES", 0)
 
 
-@pytest.fixture(params=["amx", "onednn"])
+@pytest.fixture(params=["amx", "bf16kernel", "onednn"])
 def bf16_packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """bfloat16 weights go to AMX tiles where the CPU has AMX; "onednn" keeps them on oneDNN's path."""
+    """bfloat16 weights go to AMX tiles where the CPU has AMX, else to the quantized kernel's bfloat16
+    blocks where it has AVX512-BF16 ("bf16kernel" forces that one), else ("onednn") to oneDNN."""
+    if request.param != "amx":
+        monkeypatch.setattr(cpu_amx, "pack", lambda weight, gated=False: None)
+    if request.param == "bf16kernel" and not quant_gemm.native_bf16():
+        pytest.skip("no AVX512-BF16 build of the quantized kernel here")
     if request.param == "onednn":
-        monkeypatch.setattr(cpu_amx, "pack", lambda weight: None)
+        monkeypatch.setattr(quant_gemm, "native_bf16", lambda: False)
     return request.param
 
 
@@ -36,7 +42,7 @@ def bf16_packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize("m", [1, 7, 9, 33, 64, 300])  # 7, 9, 33, 300 run padded to a bucket (oneDNN)
 @pytest.mark.parametrize("layer_cls,bias", [(ColumnParallelLinear, True), (RowParallelLinear, False)])
 def test_packed_linear_matches_f_linear(dtype, m, layer_cls, bias, pack_small_fp32, bf16_packing) -> None:
-    if dtype == torch.float32 and bf16_packing == "amx":
+    if dtype == torch.float32 and bf16_packing != "onednn":
         pytest.skip("float32 is always oneDNN's")
     torch.manual_seed(m)
     layer = layer_cls(96, 80, SINGLE, bias=bias).to(dtype)
@@ -50,6 +56,10 @@ def test_packed_linear_matches_f_linear(dtype, m, layer_cls, bias, pack_small_fp
     assert layer.weight.numel() == 0 and layer.packed is not None  # one copy of the weight, the packed one
     on_amx = dtype == torch.bfloat16 and bf16_packing == "amx" and cpu_amx.available()
     assert isinstance(layer.packed, cpu_amx.AmxWeight) == on_amx
+    in_kernel = (
+        dtype == torch.bfloat16 and bf16_packing != "onednn" and not on_amx and quant_gemm.native_bf16()
+    )
+    assert isinstance(layer.packed, quant_gemm.QuantWeight) == in_kernel
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     y = layer(x)
     assert y.shape == (m, 80) and y.is_contiguous()
