@@ -279,11 +279,52 @@ static inline __attribute__((always_inline)) void block_dp(int rows, const uint1
     }
 }
 
+/* Decode-sized M (<= SMALL_ROWS) on codes: NB blocks at once, as tile_bf16 does for bfloat16 weights: at
+ * one row block_dp is a single chain of vdpbf16ps, bound by its latency. Per output the operations are
+ * block_dp's, in its order, so a row's bits do not depend on which path its batch took. */
+#define NB_MAX 3
+#define SMALL_ROWS 4
+static inline __attribute__((always_inline)) void tile_dp(int rows, int nb, const uint16_t *xb, const float *xsum,
+                                                          int k_int, int gs, int qtype, const uint8_t *wb,
+                                                          long bstride, const float *sb, const float *zb,
+                                                          long sstride, __m512 *out) {
+    const __m512i lut = _mm512_loadu_si512(BF16_OF_0_TO_15);
+    const int groups = k_int / gs;
+    for (int i = 0; i < nb * SMALL_ROWS; i++) out[i] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m512 acc[NB_MAX * SMALL_ROWS];
+        for (int i = 0; i < nb * SMALL_ROWS; i++) acc[i] = _mm512_setzero_ps();
+        for (int k = g * gs; k < (g + 1) * gs; k += 2) {
+            __m512bh w[NB_MAX];
+            for (int j = 0; j < nb; j++) {
+                w[j] = (__m512bh)code_pairs(wb + j * bstride, k, qtype, lut);
+                _mm_prefetch((const char *)(wb + j * bstride + (long)k * (qtype == QT_U4 ? 8 : 16) + 1024),
+                             _MM_HINT_T0);
+            }
+            for (int r = 0; r < rows; r++) {
+                int32_t pair;
+                memcpy(&pair, xb + (long)r * k_int + k, 4);
+                const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+                for (int j = 0; j < nb; j++)
+                    acc[j * SMALL_ROWS + r] = _mm512_dpbf16_ps(acc[j * SMALL_ROWS + r], w[j], x);
+            }
+        }
+        for (int j = 0; j < nb; j++) {
+            const __m512 sc = _mm512_loadu_ps(sb + j * sstride + g * 16);
+            const __m512 z = zb ? _mm512_loadu_ps(zb + j * sstride + g * 16) : _mm512_setzero_ps();
+            for (int r = 0; r < rows; r++) {
+                __m512 *o = out + j * SMALL_ROWS + r;
+                *o = _mm512_fmadd_ps(sc, _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * groups + g]), acc[j * SMALL_ROWS + r]),
+                                     *o);
+            }
+        }
+    }
+}
+
 /* bfloat16 weights: NB blocks (NB * 16 output columns) at once against `rows` activation rows, so a
  * weight load feeds `rows` dot products and an activation broadcast NB of them (up to 24 accumulators in
  * registers), and NB independent chains hide vdpbf16ps's latency at one row. Per output the sum still
  * runs over k in one order, whatever the tile. */
-#define NB_MAX 3
 static inline __attribute__((always_inline)) void tile_bf16(int rows, int nb, const uint16_t *xb, long x_stride,
                                                             int k_int, const uint8_t *wb, long bstride, __m512 *acc) {
     for (int i = 0; i < nb * MT; i++) acc[i] = _mm512_setzero_ps();
@@ -423,6 +464,38 @@ static int qgemm_bf16(const void *x, long x_stride, int k_in, const long *perm, 
         free(xb);
         free(xsum);
         return rc;
+    }
+    if (m <= SMALL_ROWS) {
+        const long bstride = qgemm_step_bytes(k_int, qtype), sstride = (long)groups * 16;
+        const int tiles = (blocks + NB_MAX - 1) / NB_MAX;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && tiles > 1)
+        for (int t = 0; t < tiles; t++) {
+            const int b0 = t * NB_MAX, nb = blocks - b0 < NB_MAX ? blocks - b0 : NB_MAX;
+            const uint8_t *wb = w + b0 * bstride;
+            const float *sb = scales + b0 * sstride, *zb = zeros ? zeros + b0 * sstride : 0;
+            __m512 acc[NB_MAX * SMALL_ROWS];
+#define TD(R, NB) tile_dp(R, NB, xb, xsum, k_int, gs, qtype, wb, bstride, sb, zb, sstride, acc)
+#define TD_ROWS(NB)                                                                                        \
+    switch (m) {                                                                                           \
+    case 1: TD(1, NB); break;                                                                              \
+    case 2: TD(2, NB); break;                                                                              \
+    case 3: TD(3, NB); break;                                                                              \
+    default: TD(4, NB); break;                                                                             \
+    }
+            if (nb == 3) {
+                TD_ROWS(3)
+            } else if (nb == 2) {
+                TD_ROWS(2)
+            } else {
+                TD_ROWS(1)
+            }
+#undef TD_ROWS
+#undef TD
+            for (int j = 0; j < nb; j++) store_tile(acc + j * SMALL_ROWS, m, 0, (b0 + j) * 16, n, out, out_stride, 1, bias);
+        }
+        free(xb);
+        free(xsum);
+        return 0;
     }
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && blocks > 1)
     for (int b = 0; b < blocks; b++) {
