@@ -12,7 +12,9 @@ with a real tokenizer, so detokenization is part of the cost, as in real serving
 uses the random models of bench/out/models (no tokenizer: vLLM then runs with --skip-tokenizer-init).
 Requests: seeded token-id prompts (log-uniform 16..512 tokens), output lengths uniform in 16..128,
 greedy, EOS ignored; arrivals are a seeded Poisson process (the same schedule for every server), "inf"
-sends all at once. Eight warm-up requests through each protocol precede the first rate.
+sends all at once. Every (rate, protocol) run draws token ids of its own (same lengths): a rerun of the
+same prompts would hit the prefix cache (until 2026-12-05 it did, flattering every run after the first).
+Eight warm-up requests through each protocol precede the first rate.
 
 Clients: WebSocket = one connection to ws://.../v1/ws multiplexing every request (JSON frames, token ids
 counted from each delta); HTTP = one streamed POST /v1/completions per request (SSE, include_usage).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import faulthandler
 import json
 import math
@@ -257,6 +260,15 @@ def server_command(
     return cmd, vllm_env(args.threads, bind=True, kv_gib=args.kv_gib)
 
 
+def cold(wl: Workload, tag: str, vocab: int) -> Workload:
+    """`wl` with token ids of its own for one run (same lengths, same outputs): both servers cache
+    prefixes, so a run that repeated an earlier run's prompts would measure the cache, not prefill. The
+    tag names (rate index, protocol), not the server: vLLM's http run at a rate sends asyncengine's
+    http prompts."""
+    rng = random.Random(f"cold-{tag}")
+    return dataclasses.replace(wl, prompts=[[rng.randrange(3, vocab) for _ in p] for p in wl.prompts])
+
+
 async def measure(
     kind: str, protocols: list[str], port: int, wl: Workload, args: argparse.Namespace, bar: tqdm
 ) -> list[dict[str, Any]]:
@@ -268,14 +280,16 @@ async def measure(
             run_ws(ws_url, warm, [0.0] * 8, 300) if proto == "ws" else run_http(base, warm, [0.0] * 8, 300)
         )
     rows = []
+    vocab = vocab_size(resolve_model(args.model))
     for k, rate in enumerate(args.rates):
         offsets = arrival_offsets(len(wl.prompts), rate, args.seed)
         for proto in protocols if k % 2 == 0 else protocols[::-1]:  # alternate: no protocol always goes first
             bar.set_postfix_str(f"{kind} {proto} rate {rate}")
+            run_wl = cold(wl, f"{args.seed}-{k}-{proto}", vocab)
             if proto == "ws":
-                res = await run_ws(ws_url, wl, offsets, args.timeout)
+                res = await run_ws(ws_url, run_wl, offsets, args.timeout)
             else:
-                res = await run_http(base, wl, offsets, args.timeout)
+                res = await run_http(base, run_wl, offsets, args.timeout)
             rows.append({"server": kind, "protocol": proto, "rate": rate, **summarize(res, wl.output_lens)})
             bar.update(1)
     return rows
