@@ -119,9 +119,11 @@ def test_large_specs_compile_off_the_loop_and_grammar_survives_preemption(model:
             regex = SamplingParams(
                 temperature=1.0, seed=4, max_tokens=100, structured_outputs=CASES["regex"][0]
             )
+            # compiled first, so that all twelve requests run at once and overflow the 24 blocks
+            await asyncio.to_thread(engine.input_processor.compile_grammar, params)
             got = await asyncio.gather(
-                *(texts(engine, "pick one " * 6, params) for _ in range(6)),
-                *(texts(engine, "code " * 8, regex) for _ in range(6)),
+                *(texts(engine, "pick one " * 10, params) for _ in range(6)),
+                *(texts(engine, "code " * 14, regex) for _ in range(6)),
             )
             for (text, reason), *_ in got[:6]:
                 assert text in choices and reason == "stop", text
