@@ -116,7 +116,7 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
     """[T, in] -> [T, out]: x W^T + b with a weight from `prepack` (oneDNN: at a bucketed row count)."""
     if isinstance(packed, AmxWeight):
         return amx.linear(x, packed, bias)  # any M: no primitives to cache
-    if isinstance(packed, quant_gemm.QuantWeight):
+    if isinstance(packed, QuantWeight):
         return quant_gemm.linear(x, packed, bias)
     rows = x.shape[0]
     padded = bucket_rows(rows) if x.dim() == 2 else rows

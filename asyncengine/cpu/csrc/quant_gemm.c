@@ -33,10 +33,11 @@
 #define PAR_MIN (1L << 16) /* multiply-adds below which waking threads costs more than it saves */
 
 
+/* bytes a block (16 rows) holds per column: half a byte, one or two bytes a row */
+static inline long column_bytes(int qtype) { return qtype == QT_U4 ? 8 : qtype == QT_BF16 ? 32 : 16; }
+
 /* bytes of one block's weights (16 rows, all k_int columns) */
-long qgemm_step_bytes(int k_int, int qtype) {
-    return (long)(qtype == QT_U4 ? k_int / 2 : qtype == QT_BF16 ? 2 * k_int : k_int) * 16;
-}
+long qgemm_step_bytes(int k_int, int qtype) { return (long)k_int * column_bytes(qtype); }
 
 /* activations [m, k_int] float32: widened, permuted, zero-padded */
 static void gather_x(const void *x, long x_stride, int x_bf16, int k_in, const long *perm, float *xs, int m,
@@ -264,8 +265,7 @@ static inline __attribute__((always_inline)) void block_dp(int rows, const uint1
         for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
         for (int k = g * gs; k < (g + 1) * gs; k += 2) {
             const __m512bh w = (__m512bh)code_pairs(wb, k, qtype, lut);
-            _mm_prefetch((const char *)(wb + (long)k * (qtype == QT_U4 ? 8 : qtype == QT_BF16 ? 32 : 16) + 1024),
-                         _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + (long)k * column_bytes(qtype) + 1024), _MM_HINT_T0);
             for (int r = 0; r < rows; r++) {
                 int32_t pair;
                 memcpy(&pair, xb + (long)r * k_int + k, 4);
@@ -298,8 +298,7 @@ static inline __attribute__((always_inline)) void tile_dp(int rows, int nb, cons
             __m512bh w[NB_MAX];
             for (int j = 0; j < nb; j++) {
                 w[j] = (__m512bh)code_pairs(wb + j * bstride, k, qtype, lut);
-                _mm_prefetch((const char *)(wb + j * bstride + (long)k * (qtype == QT_U4 ? 8 : 16) + 1024),
-                             _MM_HINT_T0);
+                _mm_prefetch((const char *)(wb + j * bstride + (long)k * column_bytes(qtype) + 1024), _MM_HINT_T0);
             }
             for (int r = 0; r < rows; r++) {
                 int32_t pair;
