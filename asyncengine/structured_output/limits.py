@@ -19,6 +19,7 @@ ASYNCENGINE_GRAMMAR_COMPILE_TIMEOUT_S sets the limit (seconds) for a process.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import threading
 from collections import OrderedDict
@@ -35,9 +36,39 @@ COMPILE_TIME_LIMIT_S = float(os.environ.get("ASYNCENGINE_GRAMMAR_COMPILE_TIMEOUT
 COMPILE_THREADS = 2  # a flood of large grammars takes two cores' worth of threads, no more
 _TOO_SLOW_KEYS = 1024  # how many timed-out constraints are remembered
 
+
+class KeySet:
+    """The most recent `size` constraint keys, held as digests (a key may be 512 KiB of text); thread-safe.
+    Remembers constraints that passed validation (spec.py) and ones that took too long (below)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._digests: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _digest(key: str) -> bytes:
+        return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+    def __contains__(self, key: str) -> bool:  # a hit counts as a use
+        digest = self._digest(key)
+        with self._lock:
+            if digest in self._digests:
+                self._digests.move_to_end(digest)
+                return True
+            return False
+
+    def add(self, key: str) -> None:
+        digest = self._digest(key)
+        with self._lock:
+            self._digests[digest] = None
+            self._digests.move_to_end(digest)
+            while len(self._digests) > self._size:
+                self._digests.popitem(last=False)
+
+
 _pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
-_too_slow: OrderedDict[str, None] = OrderedDict()
-_lock = threading.Lock()
+_too_slow = KeySet(_TOO_SLOW_KEYS)
 
 
 def check_size(key: str, param: str) -> None:
@@ -54,10 +85,8 @@ def compile_limited(key: str, param: str, fn: Callable[[], T]) -> T:
     check_size(key, param)
     if len(key) <= INLINE_COMPILE_CHARS:
         return fn()
-    with _lock:
-        if key in _too_slow:
-            _too_slow.move_to_end(key)
-            raise _too_slow_error(param)
+    if key in _too_slow:
+        raise _too_slow_error(param)
     limit = COMPILE_TIME_LIMIT_S
     started = threading.Event()
 
@@ -73,10 +102,7 @@ def compile_limited(key: str, param: str, fn: Callable[[], T]) -> T:
     try:
         return future.result(timeout=limit)
     except concurrent.futures.TimeoutError:
-        with _lock:
-            _too_slow[key] = None
-            while len(_too_slow) > _TOO_SLOW_KEYS:
-                _too_slow.popitem(last=False)
+        _too_slow.add(key)
         raise _too_slow_error(param) from None
 
 

@@ -9,10 +9,7 @@ answers 400 before the request is queued.
 
 from __future__ import annotations
 
-import hashlib
 import json as jsonlib
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -20,7 +17,7 @@ import msgspec
 
 from asyncengine.structured_output.errors import StructuredOutputError
 from asyncengine.structured_output.grammar import check_grammar, regex_grammar, to_grammar
-from asyncengine.structured_output.limits import compile_limited
+from asyncengine.structured_output.limits import KeySet, compile_limited
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar", "json_object")
@@ -28,9 +25,7 @@ MAX_CHOICES = 4096  # each becomes a Lark alternative; more is a grammar, not a 
 # Constraints that passed validate(), by their key's digest: a request's constraint is validated by the
 # API (400 before queueing), by SamplingParams.validate in the engine and before the tokenizer's compile;
 # the tokenizer-free compile is the costly part (~0.25 s for a 300 KB schema) and runs once.
-_VALIDATED_KEYS = 4096
-_validated: OrderedDict[bytes, None] = OrderedDict()
-_validated_lock = threading.Lock()
+_validated = KeySet(4096)
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
@@ -98,16 +93,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
             key = self.cache_key()
         except (ValueError, TypeError) as e:  # a schema that is not an object, or not JSON (a set)
             raise StructuredOutputError(str(e), name(kind)) from e
-        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
-        with _validated_lock:
-            if digest in _validated:
-                _validated.move_to_end(digest)
-                return
+        if key in _validated:
+            return
         compile_limited(key, name(kind), lambda: self._check_grammar(name(kind)))
-        with _validated_lock:
-            _validated[digest] = None
-            while len(_validated) > _VALIDATED_KEYS:
-                _validated.popitem(last=False)
+        _validated.add(key)
 
     def _check_grammar(self, param: str) -> None:
         """The tokenizer-free compile (limits.compile_limited runs it, off the caller's thread when large)."""
