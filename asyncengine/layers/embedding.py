@@ -11,6 +11,8 @@ from torch import nn
 from asyncengine.cpu import gemm as cpu_gemm
 from asyncengine.errors import ModelLoadError
 from asyncengine.layers.parallel import ParallelContext, tp_all_gather, tp_all_reduce
+from asyncengine.quantization import kernels
+from asyncengine.quantization.int8 import int8_canonical, quantize_rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -76,9 +78,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         vocab rows; padding rows stay zero) through the quantized kernels. A weight-only, load-time
         choice, as llama.cpp quantizes its output tensor: on a small model the head is a large share of a
         decode step's bytes. A tied weight stays for the embedding lookup too."""
-        from asyncengine.quantization import kernels
-        from asyncengine.quantization.int8 import int8_canonical, quantize_rows
-
         codes, scales = quantize_rows(self.weight.data)
         self.quant_weight = kernels.prepare(int8_canonical(codes, scales), self.weight.device)
         if not self.tied:
@@ -95,8 +94,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab], model dtype
         if self.quant_weight is not None:
-            from asyncengine.quantization import kernels
-
             logits = kernels.linear(hidden, self.quant_weight, None)  # [N, per_rank]
         elif self.packed is not None:
             logits = cpu_gemm.linear(hidden, self.packed, None)  # [N, per_rank]
