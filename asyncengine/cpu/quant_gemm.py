@@ -7,6 +7,12 @@ contiguous groups, per-(group, row) scales and zero points, an optional input pe
 reorders it into the kernel's 16-row blocks once, at load time. bench/quant_gemm.py measures the
 kernel against bfloat16 GEMMs and against dequantize-then-matmul.
 
+With bfloat16 activations and 4- / 8-bit codes on a CPU with AVX512-VNNI the kernel quantizes the
+activations to int8 (per row and 32 columns, as llama.cpp's Q8_0) and multiplies integers: single-stream
+decode then reads the codes at the memory's rate instead of waiting on the arithmetic that widens them.
+ASYNCENGINE_CPU_INT8_ACTIVATIONS=0 keeps the activations as they are (weights packed then use the exact
+bfloat16 path). float32 activations are never quantized: they stay exact against the dequantized weight.
+
 ASYNCENGINE_CPU_QUANT=0 keeps the library unloaded: callers use their PyTorch fallback (A/B).
 """
 
@@ -33,7 +39,9 @@ _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 class QuantWeight(NamedTuple):
     """A [out, in] weight in the kernel's layout (see csrc/quant_gemm.c)."""
 
-    data: torch.Tensor  # [blocks, K_int / 2 (4-bit) or K_int, 16] uint8; bfloat16: [blocks, K_int / 2, 16, 2]
+    # [blocks, K_int / 8 (4-bit) or K_int / 4 (8-bit), 16, 4] uint8; e4m3: [blocks, K_int, 16];
+    # bfloat16: [blocks, K_int / 2, 16, 2]
+    data: torch.Tensor
     scales: torch.Tensor  # [blocks, G, 16] float32 (e4m3: scale * 256)
     zeros: torch.Tensor | None  # [blocks, G, 16] float32; None for e4m3
     perm: torch.Tensor | None  # [K_int] int64 input column per internal column, -1 reads zero
@@ -43,6 +51,7 @@ class QuantWeight(NamedTuple):
     k_int: int
     group_size: int
     portable: bool = False  # built without AVX-512 (tests run both)
+    int8_activations: bool = False  # bfloat16 activations quantized to int8 (4- / 8-bit codes, VNNI)
 
     def nbytes(self) -> int:
         """Resident bytes of the packed weight."""
@@ -62,9 +71,10 @@ def load_library(portable: bool = False) -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.qgemm.restype = _I
-    lib.qgemm.argtypes = [_P, _L, _I, _I, _P, _P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I]
-    lib.qgemm_native_bf16.restype = _I
-    lib.qgemm_native_bf16.argtypes = []
+    lib.qgemm.argtypes = [_P, _L, _I, _I, _P, _P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I, _I]
+    for probe in (lib.qgemm_native_bf16, lib.qgemm_native_int8):
+        probe.restype = _I
+        probe.argtypes = []
     return lib
 
 
@@ -79,6 +89,32 @@ def native_bf16() -> bool:
         return False
     lib = load_library()
     return lib is not None and bool(lib.qgemm_native_bf16())
+
+
+def native_int8(portable: bool = False) -> bool:
+    """bfloat16 activations are quantized to int8 for 4- / 8-bit codes here (AVX512-VNNI, and not turned
+    off by ASYNCENGINE_CPU_INT8_ACTIVATIONS=0): decided per weight when it is packed."""
+    if os.environ.get("ASYNCENGINE_CPU_INT8_ACTIVATIONS", "1") == "0":
+        return False
+    lib = load_library(portable)
+    return lib is not None and bool(lib.qgemm_native_int8())
+
+
+def _whole_steps(
+    q: torch.Tensor, perm: torch.Tensor | None, in_features: int, group_size: int, unit: int
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """Each group padded with zero codes to whole steps of `unit` columns (pads read a zero activation)."""
+    pad = -group_size % unit
+    if not pad:
+        return q, perm, group_size
+    n, k_int = q.shape
+    groups = k_int // group_size
+    size = group_size + pad
+    q = F.pad(q.view(n, groups, group_size), (0, pad)).view(n, groups * size)
+    cols = perm if perm is not None else torch.arange(k_int, dtype=torch.int64)
+    cols = torch.where(cols < in_features, cols, -1)  # the canonical zero tail past K reads zero too
+    perm = F.pad(cols.view(groups, group_size), (0, pad), value=-1).reshape(-1)
+    return q, perm, size
 
 
 def _blocked(t: torch.Tensor, n: int) -> torch.Tensor:  # [G, N] -> [blocks, G, 16] float32
@@ -96,23 +132,37 @@ def pack(
     group_size: int,
     qtype: int,
     portable: bool = False,
+    int8_activations: bool | None = None,  # None: native_int8()
 ) -> QuantWeight | None:
     """The kernel's copy of a canonical weight; None where the library cannot be built (or is turned off)."""
     if load_library(portable) is None:
         return None
     n, k_int = q.shape
-    if k_int % group_size or (qtype == QTYPE_U4 and group_size % 2):
-        raise ValueError(f"K_int {k_int} must be whole groups of {group_size} (even for 4 bits)")
+    if k_int % group_size:
+        raise ValueError(f"K_int {k_int} must be whole groups of {group_size}")
+    if perm is not None:
+        perm = perm.to(torch.int64)
+    if qtype != QTYPE_FP8:  # a group is whole 64-byte steps: 8 columns of 4-bit codes, 4 of 8-bit
+        q, perm, group_size = _whole_steps(q, perm, in_features, group_size, 8 if qtype == QTYPE_U4 else 4)
+        k_int = q.shape[1]
     pad = -n % BLOCK
     codes = F.pad(q, (0, 0, 0, pad)) if pad else q
     codes = codes.view(-1, BLOCK, k_int)  # [blocks, 16, K_int]
-    if qtype == QTYPE_U4:
-        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [blocks, 16, K_int / 2]
-    data = codes.transpose(1, 2).contiguous()  # [blocks, steps, 16]
+    if qtype == QTYPE_U4:  # byte i of step p: column 8p + i (low nibble), 8p + 4 + i (high)
+        codes = codes.view(-1, BLOCK, k_int // 8, 2, 4)
+        data = codes[..., 0, :] | (codes[..., 1, :] << 4)
+        data = data.transpose(1, 2).contiguous()  # [blocks, K/8, 16, 4]
+    elif qtype == QTYPE_U8:
+        data = codes.view(-1, BLOCK, k_int // 4, 4).transpose(1, 2).contiguous()  # [blocks, K/4, 16, 4]
+    else:
+        data = codes.transpose(1, 2).contiguous()  # [blocks, K, 16]
     s = _blocked(scales, n) * (256.0 if qtype == QTYPE_FP8 else 1.0)
     z = _blocked(zeros, n) if zeros is not None else None
-    p = perm.to(torch.int64).contiguous() if perm is not None else None
-    return QuantWeight(data, s, z, p, qtype, n, in_features, k_int, group_size, portable)
+    p = perm.contiguous() if perm is not None else None
+    if int8_activations is None:
+        int8_activations = native_int8(portable)
+    int8_activations = int8_activations and qtype != QTYPE_FP8
+    return QuantWeight(data, s, z, p, qtype, n, in_features, k_int, group_size, portable, int8_activations)
 
 
 def pack_bf16(weight: torch.Tensor, portable: bool = False) -> QuantWeight | None:
@@ -163,6 +213,7 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> t
         weight.k_int,
         weight.group_size,
         weight.qtype,
+        int(weight.int8_activations),
         torch.get_num_threads(),
     )
     if rc == -2:

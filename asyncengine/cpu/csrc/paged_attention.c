@@ -307,6 +307,12 @@ static inline __attribute__((always_inline)) void NAME##_values(int R, float *co
  * 0.71 ms, at 8192 keys 2.53 -> 1.21 ms, batch 4 at 4096 keys 3.62 -> 2.55 ms. 1024, not 256 or 512:
  * the cut rows of a big batch pay for their flushes and merges (~2-3% of the layer at 700 keys and
  * 512-key segments) and gain nothing there, and the bench's contexts (up to 768) stay uncut. */
+/* Head runs are not cut below one vector of heads (16) to balance work, only to give every thread an
+ * item: the scores and the online softmax run 16 heads a vector, so an item of one head used a sixteenth
+ * of each. Measured per bf16 layer (12 heads of 64, 2 threads, keys in cache): batch 1 at 200-400 keys
+ * 57 -> 23 us (one-head items before, two six-head items now), batch 2-3 at 100-600 keys 91 -> 53 and
+ * 62 -> 43 us, batch 16 at 16-1024 keys 809 -> 753-785 us, batch 64 unchanged (whole rows already). */
+#define MIN_RUN_HEADS 16
 #ifndef SEG_KEYS
 #define SEG_KEYS 1024
 #endif
@@ -389,9 +395,15 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
     for (int g = 0; g < num_groups; g++) if (groups[g].count > biggest) biggest = groups[g].count;       \
     /* row-heads, a segment of a split lone row counting as a row: a quarter of a thread's share */     \
     const long units = (long)active + (num_items - num_groups), item_share = units * num_kv_heads / (4L * num_threads); \
-    int per = num_kv_heads; /* halve the head runs while there are too few items or too big ones */     \
-    while (per > 1 && ((long)num_items * ((num_kv_heads + per - 1) / per) < 4L * num_threads            \
-                       || (long)biggest * per > item_share)) per = (per + 1) / 2;                       \
+    /* halve the head runs while the threads outnumber the items, or (down to MIN_RUN_HEADS heads a run) \
+     * while there are fewer items than four a thread or the biggest is over a quarter of a share */    \
+    int per = num_kv_heads;                                                                             \
+    for (;;) {                                                                                          \
+        const long n_it = (long)num_items * ((num_kv_heads + per - 1) / per);                           \
+        const int unbalanced = n_it < 4L * num_threads || (long)biggest * per > item_share;             \
+        if (per == 1 || (n_it >= num_threads && !(unbalanced && per * group > MIN_RUN_HEADS))) break;   \
+        per = (per + 1) / 2;                                                                            \
+    }                                                                                                   \
     const int num_chunks = (num_kv_heads + per - 1) / per;                                              \
     const long total = (long)num_items * num_chunks, kv_stride = (long)num_kv_heads * head_dim;         \
     const int max_hg = per * group, max_hg16 = (max_hg + 15) / 16 * 16;                                  \

@@ -3,14 +3,23 @@
  * one and no zeros), for CPUs without AMX, where this kernel's tiles beat oneDNN at decode sizes.
  *
  * Weight layout (cpu/quant_gemm.py packs it): output rows in blocks of 16 (one float32 vector), each
- * block a run of k steps of 16 bytes, byte j for row 16 b + j:
- *   4-bit: step p holds columns 2p (low nibble) and 2p + 1 (high nibble)  -> [blocks][K / 2][16]
- *   8-bit and e4m3: step k holds column k                                -> [blocks][K][16]
- *   bfloat16: step p holds the pairs (column 2p, column 2p + 1), 4 bytes a row -> [blocks][K / 2][16][2]
+ * block a run of 64-byte steps, 4 bytes a row (the operand of vpdpbusd and vdpbf16ps as it is):
+ *   4-bit: step p, row j, byte i: column 8p + i (low nibble), 8p + 4 + i (high) -> [blocks][K / 8][16][4]
+ *   8-bit: step p, row j, byte i: column 4p + i                               -> [blocks][K / 4][16][4]
+ *   bfloat16: step p, row j: the pair (column 2p, column 2p + 1)               -> [blocks][K / 2][16][2]
+ *   e4m3: step k holds column k of the 16 rows, 16 bytes                       -> [blocks][K][16]
+ * (the packer pads each group to whole steps: 8 columns for 4-bit codes, 4 for 8-bit).
  * scales and zeros: [blocks][G][16] float32, group g covering columns [g * gs, (g + 1) * gs).
  * w = (code - zero) * scale; e4m3 is widened to half precision (a shift) and converted by vcvtph2ps,
  * which yields w / 256: the packer stores scale * 256 for it (exact: a power of two).
  *
+ * bfloat16 activations and 4-/8-bit codes with AVX512-VNNI (qgemm_i8, unless the weight was packed
+ * without it): the activations are quantized to int8 per row and block of 32 columns (scale max|x| / 127,
+ * as llama.cpp's Q8_0) and vpdpbusd multiplies them with the raw codes, 64 products an instruction,
+ * exact in int32; each block's sum is scaled once and each group's zero applied once. About 2 instructions
+ * per 64 weights, where widening codes to bfloat16 costs 6-8 per 32: single-stream decode is bound by
+ * reading the codes again, not by arithmetic. The activations' rounding (up to half a step of
+ * max|x| / 127 per value) is the price; ASYNCENGINE_CPU_INT8_ACTIVATIONS=0 keeps the exact path below.
  * bfloat16 activations with AVX512-BF16 (qgemm_bf16): gathered through `perm` (act-order; -1 reads zero)
  * as bfloat16 with per-group sums; vdpbf16ps multiplies raw codes (exact in bfloat16) into MT-row tiles
  * and each group's zero and scale are applied once per group: about 5 instructions per 32 weights
@@ -30,11 +39,34 @@
 #define QT_FP8 2
 #define QT_BF16 3
 #define MT 8
+#define PREFETCH_AHEAD 1024 /* bytes: ~16 steps ahead of the loads */
 #define PAR_MIN (1L << 16) /* multiply-adds below which waking threads costs more than it saves */
 
 
 /* bytes a block (16 rows) holds per column: half a byte, one or two bytes a row */
 static inline long column_bytes(int qtype) { return qtype == QT_U4 ? 8 : qtype == QT_BF16 ? 32 : 16; }
+
+/* How far ahead of offset `off` of a tile's block to prefetch: PREFETCH_AHEAD bytes, but from a block's
+ * last KiB the same place in the next tile's block (nb blocks on, most often this thread's next tile), so
+ * each stream of the next tile starts warm instead of with a KiB of misses (a 4-bit decode tile's block
+ * is 6 KiB at K = 768). */
+static inline long ahead_of(long off, long bstride, int nb) {
+    return off + PREFETCH_AHEAD < bstride ? PREFETCH_AHEAD : PREFETCH_AHEAD + (long)(nb - 1) * bstride;
+}
+
+/* Tile t of nb_max blocks (the last may be narrower): its first block, width, weights, scales, zeros. */
+typedef struct {
+    int b0, nb;
+    const uint8_t *wb;
+    const float *sb, *zb;
+} Tile;
+
+static inline Tile tile_at(int t, int nb_max, int blocks, const uint8_t *w, long bstride, const float *scales,
+                           const float *zeros, long sstride) {
+    const int b0 = t * nb_max;
+    return (Tile){b0, blocks - b0 < nb_max ? blocks - b0 : nb_max, w + b0 * bstride, scales + b0 * sstride,
+                  zeros ? zeros + b0 * sstride : 0};
+}
 
 /* bytes of one block's weights (16 rows, all k_int columns) */
 long qgemm_step_bytes(int k_int, int qtype) { return (long)k_int * column_bytes(qtype); }
@@ -83,12 +115,12 @@ static inline float e4m3_to_f32_over_256(uint8_t b) {
 /* The dequantized weights of one block's step k (16 output rows) into w[16], portable C. */
 static inline void dequant_step(const uint8_t *wb, int k, int qtype, const float *s, const float *z, float *w) {
     if (qtype == QT_U4) {
-        const uint8_t *p = wb + (long)(k >> 1) * 16;
-        const int shift = (k & 1) * 4;
-        for (int j = 0; j < 16; j++) w[j] = ((float)((p[j] >> shift) & 15) - z[j]) * s[j];
+        const uint8_t *p = wb + (long)(k >> 3) * 64 + (k & 3);
+        const int shift = (k & 4); /* columns 8p + 4 .. 8p + 7: the high nibbles */
+        for (int j = 0; j < 16; j++) w[j] = ((float)((p[4 * j] >> shift) & 15) - z[j]) * s[j];
     } else if (qtype == QT_U8) {
-        const uint8_t *p = wb + (long)k * 16;
-        for (int j = 0; j < 16; j++) w[j] = ((float)p[j] - z[j]) * s[j];
+        const uint8_t *p = wb + (long)(k >> 2) * 64 + (k & 3);
+        for (int j = 0; j < 16; j++) w[j] = ((float)p[4 * j] - z[j]) * s[j];
     } else if (qtype == QT_BF16) {
         const uint16_t *p = (const uint16_t *)wb + (long)(k >> 1) * 32 + (k & 1);
         for (int j = 0; j < 16; j++) w[j] = bf16_to_f32(p[2 * j]) * s[j];
@@ -120,19 +152,19 @@ static inline __attribute__((always_inline)) void block_direct(int rows, const f
         const __m512 s = _mm512_loadu_ps(sb + g * 16);
         const __m512 z = zb ? _mm512_loadu_ps(zb + g * 16) : _mm512_setzero_ps();
         const int k0 = g * gs, k1 = k0 + gs;
-        if (qtype == QT_U4) {
-            for (int k = k0; k < k1; k += 2) {
-                const uint8_t *p = wb + (long)(k >> 1) * 16;
+        if (qtype == QT_U4 || qtype == QT_U8) { /* a 64-byte step: 8 (4-bit) or 4 (8-bit) columns */
+            const int cols = qtype == QT_U4 ? 8 : 4;
+            for (int k = k0; k < k1; k += cols) {
+                const uint8_t *p = wb + (long)(k >> (qtype == QT_U4 ? 3 : 2)) * 64;
                 _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0);
-                const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-                const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
-                const __m512i hi = _mm512_srli_epi32(v, 4);
-                const __m512 w0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(lo), z), s);
-                const __m512 w1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(hi), z), s);
-                for (int r = 0; r < rows; r++) {
-                    const float *xr = xs + (long)r * k_int + k;
-                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), w0, acc[r]);
-                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), w1, acc[r]);
+                const __m512i v = _mm512_loadu_si512(p);
+                for (int c = 0; c < cols; c++) { /* column k + c, in k's order */
+                    const int shift = 8 * (c & 3) + (c & 4);
+                    const __m512i code = _mm512_and_si512(_mm512_srli_epi32(v, shift),
+                                                          _mm512_set1_epi32(qtype == QT_U4 ? 15 : 255));
+                    const __m512 w = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(code), z), s);
+                    for (int r = 0; r < rows; r++)
+                        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[(long)r * k_int + k + c]), w, acc[r]);
                 }
             }
         } else if (qtype == QT_BF16) {
@@ -149,18 +181,11 @@ static inline __attribute__((always_inline)) void block_direct(int rows, const f
                     acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), w1, acc[r]);
                 }
             }
-        } else {
+        } else { /* e4m3 */
             for (int k = k0; k < k1; k++) {
                 const uint8_t *p = wb + (long)k * 16;
                 _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0);
-                __m512 w;
-                if (qtype == QT_U8)
-                    w = _mm512_mul_ps(
-                        _mm512_sub_ps(
-                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))), z),
-                        s);
-                else
-                    w = _mm512_mul_ps(e4m3x16(p), s);
+                const __m512 w = _mm512_mul_ps(e4m3x16(p), s);
                 for (int r = 0; r < rows; r++)
                     acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[(long)r * k_int + k]), w, acc[r]);
             }
@@ -236,18 +261,19 @@ static inline __m512i bf16_of_f32(__m512 v) { return _mm512_srli_epi32(_mm512_ca
 /* lane j: the bfloat16 pair (column k, column k + 1) of the block's row j, k even */
 static inline __m512i code_pairs(const uint8_t *wb, int k, int qtype, __m512i lut) {
     if (qtype == QT_BF16) return _mm512_loadu_si512(wb + (long)k * 32); /* already the pairs */
-    if (qtype == QT_U4) {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wb + (long)(k >> 1) * 16)));
+    if (qtype == QT_U4) { /* k even: bytes k & 3 and (k & 3) + 1 of each row, one nibble of each */
+        const __m512i v = _mm512_srli_epi32(_mm512_loadu_si512(wb + (long)(k >> 3) * 64), 8 * (k & 3) + (k & 4));
         const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(15)),
-                                            _mm512_slli_epi32(_mm512_srli_epi32(v, 4), 16));
-        return _mm512_permutexvar_epi16(idx, lut); /* 16 codes -> their bfloat16 values, one lookup */
+                                            _mm512_and_si512(_mm512_slli_epi32(v, 8), _mm512_set1_epi32(15 << 16)));
+        return _mm512_permutexvar_epi16(idx, lut); /* 2 x 16 codes -> their bfloat16 values, one lookup */
     }
-    const uint8_t *p = wb + (long)k * 16;
     __m512 lo, hi;
     if (qtype == QT_U8) {
-        lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-        hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+        const __m512i v = _mm512_srli_epi32(_mm512_loadu_si512(wb + (long)(k >> 2) * 64), 8 * (k & 3));
+        lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(255)));
+        hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8), _mm512_set1_epi32(255)));
     } else {
+        const uint8_t *p = wb + (long)k * 16;
         lo = e4m3x16(p);
         hi = e4m3x16(p + 16);
     }
@@ -296,9 +322,10 @@ static inline __attribute__((always_inline)) void tile_dp(int rows, int nb, cons
         for (int i = 0; i < nb * SMALL_ROWS; i++) acc[i] = _mm512_setzero_ps();
         for (int k = g * gs; k < (g + 1) * gs; k += 2) {
             __m512bh w[NB_MAX];
+            const long off = (long)k * column_bytes(qtype), ahead = ahead_of(off, bstride, nb);
             for (int j = 0; j < nb; j++) {
                 w[j] = (__m512bh)code_pairs(wb + j * bstride, k, qtype, lut);
-                _mm_prefetch((const char *)(wb + j * bstride + (long)k * column_bytes(qtype) + 1024), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wb + j * bstride + off + ahead), _MM_HINT_T0);
             }
             for (int r = 0; r < rows; r++) {
                 int32_t pair;
@@ -329,10 +356,11 @@ static inline __attribute__((always_inline)) void tile_bf16(int rows, int nb, co
     for (int i = 0; i < nb * MT; i++) acc[i] = _mm512_setzero_ps();
     for (int k = 0; k < k_int; k += 2) {
         __m512bh w[NB_MAX];
+        const long off = (long)k * 32, ahead = ahead_of(off, bstride, nb);
         for (int j = 0; j < nb; j++) {
-            const uint8_t *p = wb + j * bstride + (long)k * 32;
+            const uint8_t *p = wb + j * bstride + off;
             w[j] = (__m512bh)_mm512_loadu_si512(p);
-            _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + ahead), _MM_HINT_T0);
         }
         for (int r = 0; r < rows; r++) {
             int32_t pair;
@@ -469,11 +497,9 @@ static int qgemm_bf16(const void *x, long x_stride, int k_in, const long *perm, 
         const int tiles = (blocks + NB_MAX - 1) / NB_MAX;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && tiles > 1)
         for (int t = 0; t < tiles; t++) {
-            const int b0 = t * NB_MAX, nb = blocks - b0 < NB_MAX ? blocks - b0 : NB_MAX;
-            const uint8_t *wb = w + b0 * bstride;
-            const float *sb = scales + b0 * sstride, *zb = zeros ? zeros + b0 * sstride : 0;
+            const Tile tl = tile_at(t, NB_MAX, blocks, w, bstride, scales, zeros, sstride);
             __m512 acc[NB_MAX * SMALL_ROWS];
-#define TD(R, NB) tile_dp(R, NB, xb, xsum, k_int, gs, qtype, wb, bstride, sb, zb, sstride, acc)
+#define TD(R, NB) tile_dp(R, NB, xb, xsum, k_int, gs, qtype, tl.wb, bstride, tl.sb, tl.zb, sstride, acc)
 #define TD_ROWS(NB)                                                                                        \
     switch (m) {                                                                                           \
     case 1: TD(1, NB); break;                                                                              \
@@ -481,16 +507,16 @@ static int qgemm_bf16(const void *x, long x_stride, int k_in, const long *perm, 
     case 3: TD(3, NB); break;                                                                              \
     default: TD(4, NB); break;                                                                             \
     }
-            if (nb == 3) {
+            if (tl.nb == 3) {
                 TD_ROWS(3)
-            } else if (nb == 2) {
+            } else if (tl.nb == 2) {
                 TD_ROWS(2)
             } else {
                 TD_ROWS(1)
             }
 #undef TD_ROWS
 #undef TD
-            for (int j = 0; j < nb; j++) store_tile(acc + j * SMALL_ROWS, m, 0, (b0 + j) * 16, n, out, out_stride, 1, bias);
+            for (int j = 0; j < tl.nb; j++) store_tile(acc + j * SMALL_ROWS, m, 0, (tl.b0 + j) * 16, n, out, out_stride, 1, bias);
         }
         free(xb);
         free(xsum);
@@ -518,6 +544,197 @@ static int qgemm_bf16(const void *x, long x_stride, int k_in, const long *perm, 
 }
 #endif
 
+#if defined(HAVE_AVX512) && defined(__AVX512VNNI__)
+#define HAVE_VNNI 1
+#define I8_NB 3   /* blocks a tile covers at up to I8_SMALL rows (one row: three independent chains) */
+#define I8_SMALL 2
+#define I8_RT 4   /* rows a tile covers beyond that, two blocks wide: 24 accumulators in registers */
+
+/* columns one activation scale covers: 32 where the group allows (Q8_0's block), else the largest
+ * divisor of the group that is whole steps and at most 32 */
+static int act_block(int gs, int unit) {
+    if (gs % 32 == 0) return 32;
+    for (int d = 32 - 32 % unit; d > unit; d -= unit)
+        if (gs % d == 0) return d;
+    return unit;
+}
+
+/* bfloat16 rows -> int8 codes xq [m][k_int] (gathered through perm, zero past k_in), a scale per row and
+ * block xs [m][k_int / qb] (max|x| / 127) and per row and group xg [m][groups]: the sum of the quantized
+ * activations times their scales, what a group's zero point multiplies. */
+static void quantize_rows(const uint16_t *x, long x_stride, int k_in, const long *perm, int m, int k_int, int gs,
+                          int qb, float *frow, int8_t *xq, float *xs, float *xg) {
+    const int nqb = k_int / qb, groups = k_int / gs;
+    for (int r = 0; r < m; r++) {
+        const uint16_t *xr = x + (long)r * x_stride;
+        if (perm) {
+            for (int k = 0; k < k_int; k++) frow[k] = perm[k] < 0 ? 0.0f : bf16_to_f32(xr[perm[k]]);
+        } else {
+            for (int k = 0; k < k_int; k += 16) {
+                const int valid = k_in - k;
+                const __m512 v = valid > 0 ? load16_bf16(xr + k, mask_upto(valid)) : _mm512_setzero_ps();
+                _mm512_mask_storeu_ps(frow + k, mask_upto(k_int - k), v);
+            }
+        }
+        int8_t *qr = xq + (long)r * k_int;
+        float *sr = xs + (long)r * nqb;
+        float *gr = xg + (long)r * groups;
+        for (int g = 0; g < groups; g++) gr[g] = 0.0f;
+        for (int b = 0; b < nqb; b++) {
+            const float *f = frow + (long)b * qb;
+            __m512 amax = _mm512_setzero_ps();
+            for (int i = 0; i < qb; i += 16)
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mask_upto(qb - i), f + i)));
+            const float top = _mm512_reduce_max_ps(amax);
+            const float scale = top / 127.0f;
+            const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+            __m512i qsum = _mm512_setzero_si512();
+            for (int i = 0; i < qb; i += 16) {
+                const __mmask16 mk = mask_upto(qb - i);
+                /* round to nearest even; |x| * inv <= 127 but for rounding, which the saturating pack clamps */
+                const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, f + i), inv));
+                _mm_mask_storeu_epi8(qr + (long)b * qb + i, mk, _mm512_cvtsepi32_epi8(q));
+                qsum = _mm512_add_epi32(qsum, _mm512_maskz_mov_epi32(mk, _mm512_max_epi32(
+                                                                       _mm512_min_epi32(q, _mm512_set1_epi32(127)),
+                                                                       _mm512_set1_epi32(-127))));
+            }
+            sr[b] = scale;
+            gr[(long)b * qb / gs] += scale * (float)_mm512_reduce_add_epi32(qsum);
+        }
+    }
+}
+
+/* `rows` quantized activation rows against nb blocks: per activation block, int32 sums of code x xq on
+ * vpdpbusd (codes unsigned, activations signed), scaled into a float sum per group; per group
+ * out += scale * (sum - zero * xg). Per output the operations and their order do not depend on the tile,
+ * so a row's bits do not depend on its batch. */
+static inline __attribute__((always_inline)) void tile_i8(int rows, int nb, int rstride, const int8_t *xq,
+                                                          const float *xs, const float *xg, int k_int, int gs,
+                                                          int qb, int qtype, const uint8_t *wb, long bstride,
+                                                          const float *sb, const float *zb, long sstride,
+                                                          __m512 *out) {
+    const int groups = k_int / gs, nqb = k_int / qb, cols = qtype == QT_U4 ? 8 : 4;
+    for (int i = 0; i < nb * rstride; i++) out[i] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m512 facc[I8_NB * I8_RT];
+        for (int i = 0; i < nb * rstride; i++) facc[i] = _mm512_setzero_ps();
+        for (int b = g * (gs / qb); b < (g + 1) * (gs / qb); b++) {
+            __m512i acc[I8_NB * I8_RT];
+            for (int i = 0; i < nb * rstride; i++) acc[i] = _mm512_setzero_si512();
+            for (int k = b * qb; k < (b + 1) * qb; k += cols) {
+                __m512i lo[I8_NB], hi[I8_NB];
+                const long off = (long)(k >> (qtype == QT_U4 ? 3 : 2)) * 64, ahead = ahead_of(off, bstride, nb);
+                for (int j = 0; j < nb; j++) {
+                    const uint8_t *p = wb + j * bstride + off;
+                    _mm_prefetch((const char *)(p + ahead), _MM_HINT_T0);
+                    const __m512i v = _mm512_loadu_si512(p);
+                    if (qtype == QT_U4) {
+                        lo[j] = _mm512_and_si512(v, _mm512_set1_epi8(15));
+                        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
+                    } else {
+                        lo[j] = v;
+                    }
+                }
+                for (int r = 0; r < rows; r++) {
+                    int32_t four;
+                    memcpy(&four, xq + (long)r * k_int + k, 4);
+                    const __m512i x = _mm512_set1_epi32(four);
+                    for (int j = 0; j < nb; j++) acc[j * rstride + r] = _mm512_dpbusd_epi32(acc[j * rstride + r], lo[j], x);
+                    if (qtype == QT_U4) {
+                        memcpy(&four, xq + (long)r * k_int + k + 4, 4);
+                        const __m512i xh = _mm512_set1_epi32(four);
+                        for (int j = 0; j < nb; j++)
+                            acc[j * rstride + r] = _mm512_dpbusd_epi32(acc[j * rstride + r], hi[j], xh);
+                    }
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                const __m512 sx = _mm512_set1_ps(xs[(long)r * nqb + b]);
+                for (int j = 0; j < nb; j++)
+                    facc[j * rstride + r] = _mm512_fmadd_ps(sx, _mm512_cvtepi32_ps(acc[j * rstride + r]), facc[j * rstride + r]);
+            }
+        }
+        for (int j = 0; j < nb; j++) {
+            const __m512 s = _mm512_loadu_ps(sb + j * sstride + g * 16);
+            const __m512 z = zb ? _mm512_loadu_ps(zb + j * sstride + g * 16) : _mm512_setzero_ps();
+            for (int r = 0; r < rows; r++) {
+                __m512 *o = out + j * rstride + r;
+                *o = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(z, _mm512_set1_ps(xg[(long)r * groups + g]), facc[j * rstride + r]), *o);
+            }
+        }
+    }
+}
+
+/* bfloat16 activations, 4-/8-bit codes: quantized activations on vpdpbusd (see the header). */
+static int qgemm_i8(const void *x, long x_stride, int k_in, const long *perm, const uint8_t *w, const float *scales,
+                    const float *zeros, const void *bias, void *out, long out_stride, int m, int n, int k_int, int gs,
+                    int qtype, int num_threads) {
+    const int qb = act_block(gs, qtype == QT_U4 ? 8 : 4), groups = k_int / gs, blocks = (n + 15) / 16;
+    float *frow = aligned_alloc(64, ((size_t)k_int * 4 + 63) / 64 * 64);
+    int8_t *xq = aligned_alloc(64, ((size_t)m * k_int + 63) / 64 * 64);
+    float *xs = aligned_alloc(64, ((size_t)m * (k_int / qb) * 4 + 63) / 64 * 64);
+    float *xg = aligned_alloc(64, ((size_t)m * groups * 4 + 63) / 64 * 64);
+    if (!frow || !xq || !xs || !xg) {
+        free(frow);
+        free(xq);
+        free(xs);
+        free(xg);
+        return -2;
+    }
+    quantize_rows((const uint16_t *)x, x_stride, k_in, perm, m, k_int, gs, qb, frow, xq, xs, xg);
+    const long bstride = qgemm_step_bytes(k_int, qtype), sstride = (long)groups * 16;
+    const int nb_max = m <= I8_SMALL ? I8_NB : 2, rt = m <= I8_SMALL ? I8_SMALL : I8_RT;
+    const int tiles = (blocks + nb_max - 1) / nb_max;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && tiles > 1)
+    for (int t = 0; t < tiles; t++) {
+        const Tile tl = tile_at(t, nb_max, blocks, w, bstride, scales, zeros, sstride);
+        __m512 acc[I8_NB * I8_RT];
+        for (int r0 = 0; r0 < m; r0 += rt) {
+            const int rows = m - r0 < rt ? m - r0 : rt;
+            const int8_t *xr = xq + (long)r0 * k_int;
+            const float *sr = xs + (long)r0 * (k_int / qb), *gr = xg + (long)r0 * groups;
+#define TI(R, NB, RS)                                                                                      \
+    do {                                                                                                   \
+        if (qtype == QT_U4)                                                                                \
+            tile_i8(R, NB, RS, xr, sr, gr, k_int, gs, qb, QT_U4, tl.wb, bstride, tl.sb, tl.zb, sstride, acc); \
+        else                                                                                               \
+            tile_i8(R, NB, RS, xr, sr, gr, k_int, gs, qb, QT_U8, tl.wb, bstride, tl.sb, tl.zb, sstride, acc); \
+    } while (0)
+            if (rt == I8_SMALL) {
+                if (tl.nb == 3) {
+                    if (rows == 1) TI(1, 3, I8_SMALL); else TI(2, 3, I8_SMALL);
+                } else if (tl.nb == 2) {
+                    if (rows == 1) TI(1, 2, I8_SMALL); else TI(2, 2, I8_SMALL);
+                } else {
+                    if (rows == 1) TI(1, 1, I8_SMALL); else TI(2, 1, I8_SMALL);
+                }
+            } else {
+#define TI_ROWS(NB)                                                                                        \
+    switch (rows) {                                                                                        \
+    case 1: TI(1, NB, I8_RT); break;                                                                       \
+    case 2: TI(2, NB, I8_RT); break;                                                                       \
+    case 3: TI(3, NB, I8_RT); break;                                                                       \
+    default: TI(4, NB, I8_RT); break;                                                                      \
+    }
+                if (tl.nb == 2) {
+                    TI_ROWS(2)
+                } else {
+                    TI_ROWS(1)
+                }
+#undef TI_ROWS
+            }
+#undef TI
+            for (int j = 0; j < tl.nb; j++) store_tile(acc + j * rt, rows, r0, (tl.b0 + j) * 16, n, out, out_stride, 1, bias);
+        }
+    }
+    free(frow);
+    free(xq);
+    free(xs);
+    free(xg);
+    return 0;
+}
+#endif
+
 /* 1 where bfloat16 activations run on vdpbf16ps (this build has AVX512-BF16): where bfloat16 weights
  * (QT_BF16) are worth this kernel rather than oneDNN (cpu/gemm.py asks). */
 int qgemm_native_bf16(void) {
@@ -528,12 +745,27 @@ int qgemm_native_bf16(void) {
 #endif
 }
 
+/* 1 where bfloat16 activations can be quantized to int8 for 4-/8-bit codes (AVX512-VNNI). */
+int qgemm_native_int8(void) {
+#ifdef HAVE_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* out[m, n] = x[m, :] W^T + bias. x: float32 (x_bf16 = 0) or bfloat16 rows x_stride elements apart, k_in
- * wide; out and bias in the same dtype. Returns 0, or -2 when scratch memory could not be allocated. */
+ * wide; out and bias in the same dtype; act_int8: quantize bfloat16 activations for 4-/8-bit codes
+ * where AVX512-VNNI allows (qgemm_i8). Returns 0, or -2 when scratch memory could not be allocated. */
 int qgemm(const void *x, long x_stride, int x_bf16, int k_in, const long *perm, const uint8_t *w,
           const float *scales, const float *zeros, const void *bias, void *out, long out_stride, int m, int n,
-          int k_int, int gs, int qtype, int num_threads) {
+          int k_int, int gs, int qtype, int act_int8, int num_threads) {
     if (m <= 0 || n <= 0) return 0;
+#ifdef HAVE_VNNI
+    if (x_bf16 && act_int8 && (qtype == QT_U4 || qtype == QT_U8))
+        return qgemm_i8(x, x_stride, k_in, perm, w, scales, zeros, bias, out, out_stride, m, n, k_int, gs, qtype,
+                        num_threads);
+#endif
 #ifdef HAVE_DPBF16
     if (x_bf16) return qgemm_bf16(x, x_stride, k_in, perm, w, scales, zeros, bias, out, out_stride, m, n, k_int, gs,
                                   qtype, num_threads);

@@ -47,7 +47,7 @@ def test_kernel_matches_the_dequantized_weight(portable, qtype, n, k, group, act
     if not quant_gemm.available(portable):
         pytest.skip("no C compiler")
     canon = random_layer(qtype, n, k, group, act_order)
-    weight = quant_gemm.pack(*canon_args(canon), portable=portable)
+    weight = quant_gemm.pack(*canon_args(canon), portable=portable, int8_activations=False)
     dense = canon.dequantize_original()  # [N, K] float32
     x = torch.randn(m, k)
     bias = torch.randn(n)
@@ -66,13 +66,79 @@ def canon_args(canon: Canonical) -> tuple:
     return (canon.q, canon.scales, canon.zeros, canon.perm, canon.in_features, canon.group_size, canon.qtype)
 
 
+def int8_reference(x: torch.Tensor, weight: quant_gemm.QuantWeight, dense: torch.Tensor) -> torch.Tensor:
+    """What the int8-activation path computes, written independently: the activations gathered into the
+    kernel's column order, quantized per row and block (32 columns, or the largest divisor of the group
+    that is whole steps and <= 32) to round(x * 127 / max|x|), then multiplied in float64."""
+    k_int, gs = weight.k_int, weight.group_size
+    unit = 8 if weight.qtype == QTYPE_U4 else 4
+    qb = 32 if gs % 32 == 0 else max(d for d in range(unit, 33, unit) if gs % d == 0)
+    cols = weight.perm if weight.perm is not None else torch.arange(k_int)
+    cols = torch.where(cols < weight.in_features, cols, -1)
+    xf = torch.cat([x.float(), x.new_zeros(x.shape[0], 1).float()], 1)[:, cols]  # [M, K_int], -1: the zero
+    blocks = xf.view(x.shape[0], -1, qb)
+    top = blocks.abs().amax(-1, keepdim=True)  # float32 throughout, as the kernel rounds
+    inv = torch.where(top > 0, torch.full_like(top, 127) / top, 0)  # (127 / top would take 1 / top first)
+    q = torch.round(blocks * inv)  # half to even
+    xq = (q.double() * (top / 127).double()).view(x.shape[0], k_int)
+    w_int = torch.cat([dense.double(), dense.new_zeros(dense.shape[0], 1).double()], 1)[:, cols]
+    return xq @ w_int.t()
+
+
+@pytest.mark.skipif(not quant_gemm.native_int8(), reason="no AVX512-VNNI")
+@pytest.mark.parametrize(("qtype", "n", "k", "group", "act_order"), [c for c in CASES if c[0] != QTYPE_FP8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 64])  # <= 2: three-block tiles; larger: four-row tiles
+def test_int8_activations_match_their_reference(qtype, n, k, group, act_order, m) -> None:
+    canon = random_layer(qtype, n, k, group, act_order)
+    weight = quant_gemm.pack(*canon_args(canon), int8_activations=True)
+    assert weight.int8_activations
+    dense = canon.dequantize_original()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    got = quant_gemm.linear(x, weight, bias).double()
+    want = int8_reference(x, weight, dense) + bias.double()
+    # only the output's rounding to bfloat16 (and float32 sums) differ from the reference
+    torch.testing.assert_close(got, want, rtol=8e-3, atol=8e-3)
+    # and the activations' rounding is visible: the exact path is a different result
+    exact = quant_gemm.linear(x, quant_gemm.pack(*canon_args(canon), int8_activations=False), bias).double()
+    assert (exact - got).abs().max() > 1e-2
+    # float32 activations are never quantized
+    x32 = x.float()
+    torch.testing.assert_close(quant_gemm.linear(x32, weight, None), x32 @ dense.t(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not quant_gemm.native_int8(), reason="no AVX512-VNNI")
+def test_int8_activations_on_odd_groups_and_padding() -> None:
+    """Groups that are not whole steps are padded (18 -> 24 columns of 4-bit codes), a per-channel
+    group of 102 8-bit columns takes 8-column activation blocks, K past the last group reads zero."""
+    for qtype, n, k, group in ((QTYPE_U4, 40, 100, 18), (QTYPE_U8, 24, 102, 102)):
+        canon = random_layer(qtype, n, k, group, False)
+        weight = quant_gemm.pack(*canon_args(canon), int8_activations=True)
+        assert weight.group_size % (8 if qtype == QTYPE_U4 else 4) == 0
+        x = torch.randn(3, k).bfloat16()
+        want = int8_reference(x, weight, canon.dequantize_original())
+        torch.testing.assert_close(quant_gemm.linear(x, weight, None).double(), want, rtol=8e-3, atol=8e-3)
+
+
+def test_int8_activations_follow_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    canon = random_layer(QTYPE_U4, 32, 64, 32, False)
+    assert quant_gemm.pack(*canon_args(canon)).int8_activations == quant_gemm.native_int8()
+    monkeypatch.setenv("ASYNCENGINE_CPU_INT8_ACTIVATIONS", "0")
+    assert not quant_gemm.native_int8()
+    assert not quant_gemm.pack(*canon_args(canon)).int8_activations
+    fp8 = random_layer(QTYPE_FP8, 32, 64, 32, False)
+    assert not quant_gemm.pack(*canon_args(fp8), int8_activations=True).int8_activations  # no integer path
+
+
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["exact", "int8act"])
 @pytest.mark.parametrize("qtype", [QTYPE_U4, QTYPE_U8, QTYPE_FP8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_do_not_depend_on_the_batch(qtype: int, dtype: torch.dtype) -> None:
+def test_rows_do_not_depend_on_the_batch(qtype: int, dtype: torch.dtype, int8_activations: bool) -> None:
     """A row's output is summed in one fixed order, whatever M is: decode and prefill agree bit for bit
-    (bfloat16: M <= 4 runs three-block tiles, larger M one block at a time; 80 rows: a partial tile)."""
+    (bfloat16: M <= 4 runs three-block tiles, larger M one block at a time; 80 rows: a partial tile;
+    int8 activations: M <= 2 three-block tiles, larger M four-row tiles two blocks wide)."""
     canon = random_layer(qtype, 80, 128, 32, True)
-    weight = quant_gemm.pack(*canon_args(canon))
+    weight = quant_gemm.pack(*canon_args(canon), int8_activations=int8_activations)
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
     full = quant_gemm.linear(x, weight, None)
     for i in (0, 7, 39):
