@@ -12,13 +12,16 @@ import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.cpu import amx as cpu_amx
+from asyncengine.cpu import quant_gemm
 from asyncengine.cpu.kernel_graph import (
     GraphUnsupported,
     KernelGraph,
     KernelGraphRunner,
     kernel_graph_sizes,
     kernel_graphs_apply,
+    load_call_list_library,
 )
+from asyncengine.cpu.ops import load_ops_library
 from asyncengine.cuda.graph_runner import ModelInputs
 from asyncengine.layers.attention import forward_context, set_attention_backend
 from asyncengine.layers.attention_cpu import CpuAttentionBackend
@@ -104,6 +107,8 @@ def test_replay_matches_eager_step_by_step(
     if captured and cpu_amx.available():  # without AMX the linears are oneDNN torch ops: eager throughout
         # 6 and then 3 sequences run padded to sizes 8 and 4: two graphs
         assert graphs.enabled and graphs.num_captures == 2 and set(graphs.kernel_graphs) == {8, 4}
+    for graph in graphs.kernel_graphs.values():  # runs of kernel calls replayed from C: fewer steps
+        assert (graph.num_steps < graph.num_kernel_calls) == (load_call_list_library() is not None)
     if not captured:
         assert not graphs.enabled and not graphs.kernel_graphs
     # once a capture has failed, the ModelRunner runs decode unpadded, outside the static buffers
@@ -155,3 +160,36 @@ def test_capture_does_not_import_dynamo() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.skipif(load_call_list_library() is None, reason="call lists need x86-64 / AArch64 Linux")
+def test_a_call_list_passes_every_argument_and_checks_results() -> None:
+    """Kernels with integer, pointer and float arguments (rms_norm's eps, the 9th) in one C call list give
+    what their ctypes calls give; a result other than the captured one stops the list and is named."""
+    lib = load_ops_library()
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 64, generator=gen), torch.randn(64, generator=gen)
+    outs = [torch.empty(3, 64) for _ in range(3)]
+    eps = (1e-6, 0.5, 30.0)  # a large eps changes the result: a float passed wrong would show
+
+    def forward() -> None:
+        for o, e in zip(outs, eps):
+            lib.rms_norm_f32(x.data_ptr(), 64, None, w.data_ptr(), o.data_ptr(), None, 3, 64, e, 1)
+
+    graph = KernelGraph.capture(forward)
+    assert graph.num_kernel_calls == 3 and graph.num_steps == 1
+    want = [o.clone() for o in outs]
+    assert not torch.equal(want[0], want[2])
+    for o in outs:
+        o.zero_()
+    graph.replay()
+    assert all(torch.equal(o, v) for o, v in zip(outs, want))
+
+    probe = quant_gemm.load_library().qgemm_native_int8  # returns 0 or 1
+    graph = KernelGraph()
+    graph._record_kernel(probe, (), probe())
+    graph._record_kernel(probe, (), 1 - probe())  # as if the capture had seen the other value
+    graph._gather_call_lists()
+    assert graph.num_steps == 1
+    with pytest.raises(RuntimeError, match=f"qgemm_native_int8 returned {probe()} on replay"):
+        graph.replay()
