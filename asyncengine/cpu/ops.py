@@ -43,6 +43,8 @@ def load_ops_library(portable: bool = False) -> ctypes.CDLL | None:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype = None
             fn.argtypes = argtypes
+    lib.gather_rows.restype = _L
+    lib.gather_rows.argtypes = [_P, _I, _L, _L, _P, _L, _P, _I]
     lib.write_kv.restype = _L
     lib.write_kv.argtypes = [_P, _L, _P, _L, _P, _P, _P, _L, _I, _I]
     for suffix in _SUFFIX.values():
@@ -255,3 +257,33 @@ def rope_write_kv(
     if bad:
         raise IndexError(f"{bad} KV-cache slot(s) outside the cache of {k_cache.shape[0]} blocks")
     return q_out, k_out
+
+
+def gather_rows(table: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """table[idx].to(dtype) in one kernel call ([R, W] float32 / bfloat16 table, [T] int64 ids -> [T, W]): the
+    embedding lookup and the rotary cos / sin rows of a step. None where it does not apply; IndexError for
+    an id outside the table."""
+    if not _enabled or table.device.type != "cpu" or idx.device.type != "cpu":
+        return None
+    if table.dtype not in _SUFFIX or dtype not in _SUFFIX or idx.dtype != torch.int64 or idx.dim() != 1:
+        return None
+    if table.dim() != 2 or not table.is_contiguous():
+        return None
+    lib = load_ops_library()
+    if lib is None:
+        return None
+    idx = idx.contiguous()
+    out = torch.empty(idx.shape[0], table.shape[1], dtype=dtype)
+    bad = lib.gather_rows(
+        table.data_ptr(),
+        int(table.dtype == torch.bfloat16),
+        table.shape[0],
+        table.shape[1],
+        idx.data_ptr(),
+        idx.shape[0],
+        out.data_ptr(),
+        int(dtype == torch.bfloat16),
+    )
+    if bad:
+        raise IndexError(f"{bad} id(s) outside a table of {table.shape[0]} rows")
+    return out

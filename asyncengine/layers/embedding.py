@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.cpu import gemm as cpu_gemm
+from asyncengine.cpu import ops as cpu_ops
 from asyncengine.errors import ModelLoadError
 from asyncengine.layers.parallel import ParallelContext, tp_all_gather, tp_all_reduce
 from asyncengine.quantization import kernels
@@ -46,7 +47,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
         if self.parallel.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            out = cpu_ops.gather_rows(self.weight, input_ids, self.weight.dtype)
+            return out if out is not None else F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.per_rank)  # [T]
         out = F.embedding(torch.where(mine, local, 0), self.weight)

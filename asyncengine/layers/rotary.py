@@ -103,6 +103,11 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> cos, sin [T, rotary_dim / 2]
         """The step's cos / sin rows, looked up once per forward and shared by every layer."""
+        cos = cpu_ops.gather_rows(self.cos, positions, dtype)
+        if cos is not None:
+            sin = cpu_ops.gather_rows(self.sin, positions, dtype)
+            assert sin is not None  # same table layout, same ids
+            return cos, sin
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
     def extra_repr(self) -> str:

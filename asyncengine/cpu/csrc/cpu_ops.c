@@ -332,3 +332,31 @@ long rope_write_kv_##SUF(const T *q, long q_stride, const T *k, long k_stride, c
 }
 DEFINE_ROPE_WRITE_KV(f32, float)
 DEFINE_ROPE_WRITE_KV(bf16, uint16_t)
+
+/* out[i] = table[idx[i]] for n ids, converted from the table's dtype to out's (float32 or bfloat16,
+ * rounded to nearest even): the embedding lookup and the step's rotary cos / sin rows, as a kernel call
+ * (a kernel graph replays it from C; as torch ops it was an index and a conversion a table). Ids outside
+ * [0, table_rows) get a zero row and are counted. */
+long gather_rows(const void *table, int src_bf16, long table_rows, long width, const int64_t *idx, long n,
+                 void *out, int dst_bf16) {
+    long bad = 0;
+    const size_t src_size = src_bf16 ? 2 : 4, dst_size = dst_bf16 ? 2 : 4;
+    for (long i = 0; i < n; i++) {
+        char *dst = (char *)out + (size_t)i * width * dst_size;
+        const long row = idx[i];
+        if (row < 0 || row >= table_rows) {
+            memset(dst, 0, (size_t)width * dst_size);
+            bad++;
+            continue;
+        }
+        const char *src = (const char *)table + (size_t)row * width * src_size;
+        if (src_bf16 == dst_bf16) {
+            memcpy(dst, src, (size_t)width * dst_size);
+        } else if (dst_bf16) {
+            for (long j = 0; j < width; j++) ((uint16_t *)dst)[j] = f32_to_bf16(((const float *)src)[j]);
+        } else {
+            for (long j = 0; j < width; j++) ((float *)dst)[j] = bf16_to_f32(((const uint16_t *)src)[j]);
+        }
+    }
+    return bad;
+}

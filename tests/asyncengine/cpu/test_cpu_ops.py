@@ -157,3 +157,21 @@ def test_argmax_rows(build, dtype) -> None:
     assert torch.equal(cpu_ops.argmax_rows(view), view.max(dim=-1).indices)
     with cpu_ops.disabled():
         assert cpu_ops.argmax_rows(wide) is None
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dst", [torch.float32, torch.bfloat16])
+def test_gather_rows_is_index_then_convert(src: torch.dtype, dst: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    table = (torch.randn(50, 24, generator=gen) * 100).to(src)
+    table[3, 5] = float("nan")
+    idx = torch.tensor([3, 0, 49, 3, 17], dtype=torch.int64)
+    got = cpu_ops.gather_rows(table, idx, dst)
+    assert got is not None and got.dtype == dst
+    want = table[idx].to(dst)
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)) and got[0, 5].isnan()
+    assert cpu_ops.gather_rows(table, idx.int(), dst) is None  # int32 ids: torch's path
+    with pytest.raises(IndexError, match="1 id"):
+        cpu_ops.gather_rows(table, torch.tensor([0, 50]), dst)
+    with pytest.raises(IndexError):
+        cpu_ops.gather_rows(table, torch.tensor([-1]), dst)
