@@ -216,6 +216,17 @@ static inline __attribute__((always_inline)) void block_strip(int rows, const fl
     default: CALL(8); break;                                                                               \
     }
 
+/* CALL(A, B, qtype) with qtype a constant (the code type's loops unroll with immediate shifts) */
+#define QTYPE_SWITCH(CALL, A, B)                                                                           \
+    do {                                                                                                   \
+        if (qtype == QT_U4)                                                                                \
+            CALL(A, B, QT_U4);                                                                             \
+        else if (qtype == QT_U8)                                                                           \
+            CALL(A, B, QT_U8);                                                                             \
+        else                                                                                               \
+            CALL(A, B, QT_FP8);                                                                            \
+    } while (0)
+
 /* 16 float32 lanes -> bfloat16, rounded as f32_to_bf16 rounds (to nearest even; NaN stays NaN) */
 static inline __m256i bf16x16_of(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
@@ -258,24 +269,27 @@ static const uint16_t BF16_OF_0_TO_15[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4
 
 static inline __m512i bf16_of_f32(__m512 v) { return _mm512_srli_epi32(_mm512_castps_si512(v), 16); }
 
-/* lane j: the bfloat16 pair (column k, column k + 1) of the block's row j, k even */
-static inline __m512i code_pairs(const uint8_t *wb, int k, int qtype, __m512i lut) {
-    if (qtype == QT_BF16) return _mm512_loadu_si512(wb + (long)k * 32); /* already the pairs */
-    if (qtype == QT_U4) { /* k even: bytes k & 3 and (k & 3) + 1 of each row, one nibble of each */
-        const __m512i v = _mm512_srli_epi32(_mm512_loadu_si512(wb + (long)(k >> 3) * 64), 8 * (k & 3) + (k & 4));
+/* columns one 64-byte step (4-bit, 8-bit codes) or one pair load (e4m3, bfloat16) covers */
+static inline int step_cols(int qtype) { return qtype == QT_U4 ? 8 : qtype == QT_U8 ? 4 : 2; }
+
+/* lane j: the bfloat16 pair (columns k0 + c, k0 + c + 1) of the block's row j, where `step` points at the
+ * step holding column k0 and c (even, < step_cols) is a constant once inlined: the shifts are immediates */
+static inline __attribute__((always_inline)) __m512i code_pairs(const uint8_t *step, int c, int qtype, __m512i lut) {
+    if (qtype == QT_BF16) return _mm512_loadu_si512(step); /* already the pairs */
+    if (qtype == QT_U4) { /* bytes c & 3 and (c & 3) + 1 of each row, one nibble of each */
+        const __m512i v = _mm512_srli_epi32(_mm512_loadu_si512(step), 8 * (c & 3) + (c & 4));
         const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(15)),
                                             _mm512_and_si512(_mm512_slli_epi32(v, 8), _mm512_set1_epi32(15 << 16)));
         return _mm512_permutexvar_epi16(idx, lut); /* 2 x 16 codes -> their bfloat16 values, one lookup */
     }
     __m512 lo, hi;
     if (qtype == QT_U8) {
-        const __m512i v = _mm512_srli_epi32(_mm512_loadu_si512(wb + (long)(k >> 2) * 64), 8 * (k & 3));
+        const __m512i v = _mm512_srli_epi32(_mm512_loadu_si512(step), 8 * c);
         lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(255)));
         hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8), _mm512_set1_epi32(255)));
     } else {
-        const uint8_t *p = wb + (long)k * 16;
-        lo = e4m3x16(p);
-        hi = e4m3x16(p + 16);
+        lo = e4m3x16(step);
+        hi = e4m3x16(step + 16);
     }
     return _mm512_or_si512(bf16_of_f32(lo), _mm512_slli_epi32(bf16_of_f32(hi), 16));
 }
@@ -289,13 +303,16 @@ static inline __attribute__((always_inline)) void block_dp(int rows, const uint1
     for (int g = 0; g < groups; g++) {
         __m512 acc[MT];
         for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-        for (int k = g * gs; k < (g + 1) * gs; k += 2) {
-            const __m512bh w = (__m512bh)code_pairs(wb, k, qtype, lut);
-            _mm_prefetch((const char *)(wb + (long)k * column_bytes(qtype) + 1024), _MM_HINT_T0);
-            for (int r = 0; r < rows; r++) {
-                int32_t pair;
-                memcpy(&pair, xb + (long)r * k_int + k, 4);
-                acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32(pair));
+        for (int k0 = g * gs; k0 < (g + 1) * gs; k0 += step_cols(qtype)) {
+            const uint8_t *step = wb + (long)k0 * column_bytes(qtype);
+            _mm_prefetch((const char *)(step + PREFETCH_AHEAD), _MM_HINT_T0);
+            for (int c = 0; c < step_cols(qtype); c += 2) {
+                const __m512bh w = (__m512bh)code_pairs(step, c, qtype, lut);
+                for (int r = 0; r < rows; r++) {
+                    int32_t pair;
+                    memcpy(&pair, xb + (long)r * k_int + k0 + c, 4);
+                    acc[r] = _mm512_dpbf16_ps(acc[r], w, (__m512bh)_mm512_set1_epi32(pair));
+                }
             }
         }
         const __m512 s = _mm512_loadu_ps(sb + g * 16);
@@ -320,19 +337,19 @@ static inline __attribute__((always_inline)) void tile_dp(int rows, int nb, cons
     for (int g = 0; g < groups; g++) {
         __m512 acc[NB_MAX * SMALL_ROWS];
         for (int i = 0; i < nb * SMALL_ROWS; i++) acc[i] = _mm512_setzero_ps();
-        for (int k = g * gs; k < (g + 1) * gs; k += 2) {
-            __m512bh w[NB_MAX];
-            const long off = (long)k * column_bytes(qtype), ahead = ahead_of(off, bstride, nb);
-            for (int j = 0; j < nb; j++) {
-                w[j] = (__m512bh)code_pairs(wb + j * bstride, k, qtype, lut);
-                _mm_prefetch((const char *)(wb + j * bstride + off + ahead), _MM_HINT_T0);
-            }
-            for (int r = 0; r < rows; r++) {
-                int32_t pair;
-                memcpy(&pair, xb + (long)r * k_int + k, 4);
-                const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
-                for (int j = 0; j < nb; j++)
-                    acc[j * SMALL_ROWS + r] = _mm512_dpbf16_ps(acc[j * SMALL_ROWS + r], w[j], x);
+        for (int k0 = g * gs; k0 < (g + 1) * gs; k0 += step_cols(qtype)) {
+            const long off = (long)k0 * column_bytes(qtype), ahead = ahead_of(off, bstride, nb);
+            for (int j = 0; j < nb; j++) _mm_prefetch((const char *)(wb + j * bstride + off + ahead), _MM_HINT_T0);
+            for (int c = 0; c < step_cols(qtype); c += 2) {
+                __m512bh w[NB_MAX];
+                for (int j = 0; j < nb; j++) w[j] = (__m512bh)code_pairs(wb + j * bstride + off, c, qtype, lut);
+                for (int r = 0; r < rows; r++) {
+                    int32_t pair;
+                    memcpy(&pair, xb + (long)r * k_int + k0 + c, 4);
+                    const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+                    for (int j = 0; j < nb; j++)
+                        acc[j * SMALL_ROWS + r] = _mm512_dpbf16_ps(acc[j * SMALL_ROWS + r], w[j], x);
+                }
             }
         }
         for (int j = 0; j < nb; j++) {
@@ -499,7 +516,8 @@ static int qgemm_bf16(const void *x, long x_stride, int k_in, const long *perm, 
         for (int t = 0; t < tiles; t++) {
             const Tile tl = tile_at(t, NB_MAX, blocks, w, bstride, scales, zeros, sstride);
             __m512 acc[NB_MAX * SMALL_ROWS];
-#define TD(R, NB) tile_dp(R, NB, xb, xsum, k_int, gs, qtype, tl.wb, bstride, tl.sb, tl.zb, sstride, acc)
+#define TD_Q(R, NB, Q) tile_dp(R, NB, xb, xsum, k_int, gs, Q, tl.wb, bstride, tl.sb, tl.zb, sstride, acc)
+#define TD(R, NB) QTYPE_SWITCH(TD_Q, R, NB)
 #define TD_ROWS(NB)                                                                                        \
     switch (m) {                                                                                           \
     case 1: TD(1, NB); break;                                                                              \
@@ -532,7 +550,8 @@ static int qgemm_bf16(const void *x, long x_stride, int k_in, const long *perm, 
             const int rows = m - r0 < MT ? m - r0 : MT;
             const uint16_t *xr = xb + (long)r0 * k_int;
             const float *sr = xsum + (long)r0 * groups;
-#define DP(R) block_dp(R, xr, sr, k_int, gs, qtype, wb, sb, zb, acc)
+#define DP_Q(R, UNUSED, Q) block_dp(R, xr, sr, k_int, gs, Q, wb, sb, zb, acc)
+#define DP(R) QTYPE_SWITCH(DP_Q, R, 0)
             ROWS_SWITCH(DP)
 #undef DP
             store_tile(acc, rows, r0, b * 16, n, out, out_stride, 1, bias);
