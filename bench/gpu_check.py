@@ -5,9 +5,9 @@
 2. prints decode tokens/s at batch 1, 8 and 64, with and without CUDA graphs, for a ~100M-parameter
    random Llama;
 3. prints Triton vs PyTorch-reference attention time for a decode batch;
-4. prints the Triton W4A16 / W8A16 GEMM against the bfloat16 matmul at M = 1-256, and decode tokens/s
-   of the same Llama as bfloat16, --quantization int8 and a GPTQ int4 checkpoint (bench/quant_gemm.py
-   measures the CPU side).
+4. prints the Triton W4A16 / W8A16 / FP8-weight GEMM against the bfloat16 matmul at M = 1-256, and
+   decode tokens/s of the same Llama as bfloat16, --quantization int8 and a GPTQ int4 checkpoint
+   (bench/quant_gemm.py measures the CPU side).
 
 Usage: python bench/gpu_check.py [--skip-tests] [--steps 50]
 """
@@ -22,8 +22,12 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from asyncengine.quantization.canonical import Canonical
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # quant_gemm.py, beside this script
 
@@ -163,8 +167,18 @@ def attention_times() -> tuple[float, float]:
     return result[0], result[1]
 
 
-def quant_gemm_times() -> list[tuple[int, int, int, float, float, float]]:
-    """(N, K, M, bf16 ms, W8A16 ms, W4A16 ms) of the Triton quantized GEMM against torch's bf16 matmul."""
+def fp8_canonical(w: torch.Tensor) -> Canonical:
+    """e4m3 codes of w [N, K] with one scale per output channel (max |w| / 448), as "-FP8" checkpoints."""
+    from asyncengine.quantization.canonical import QTYPE_FP8, build
+
+    scale = (w.abs().amax(1) / 448).clamp(min=1e-12)  # [N]
+    q = (w / scale[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    return build(q, torch.zeros(w.shape[1], dtype=torch.int64), scale[None], None, QTYPE_FP8)
+
+
+def quant_gemm_times() -> list[tuple[int, int, int, float, float, float, float]]:
+    """(N, K, M, bf16 ms, W8A16 ms, W4A16 ms, FP8 ms) of the Triton quantized GEMM against torch's bf16
+    matmul."""
     from quant_gemm import canonical_weight, time_ms
 
     from asyncengine.cuda import triton_quant_gemm
@@ -175,15 +189,15 @@ def quant_gemm_times() -> list[tuple[int, int, int, float, float, float]]:
         w = torch.randn(n, k) * 0.02
         dense = w.to(dev, torch.bfloat16)
         packed = {}
-        for bits in (8, 4):
-            c = canonical_weight(w, bits)
+        for fmt in ("w8", "w4", "fp8"):
+            c = fp8_canonical(w) if fmt == "fp8" else canonical_weight(w, 8 if fmt == "w8" else 4)
             args = (c.q, c.scales, c.zeros, c.perm, c.in_features, c.group_size, c.qtype)
-            packed[bits] = triton_quant_gemm.pack(*args, dev)
+            packed[fmt] = triton_quant_gemm.pack(*args, dev)
         for m in (1, 16, 64, 256):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             times = [time_ms(partial(torch.matmul, x, dense.t()), torch.cuda.synchronize)]
-            for bits in (8, 4):
-                run = partial(triton_quant_gemm.linear, x, packed[bits], None)
+            for fmt in ("w8", "w4", "fp8"):
+                run = partial(triton_quant_gemm.linear, x, packed[fmt], None)
                 times.append(time_ms(run, torch.cuda.synchronize))
             rows.append((n, k, m, *times))
     return rows
@@ -214,9 +228,11 @@ def main() -> int:
         f"\ndecode attention, 64 seqs x 64-1024 tokens, 32 q / 8 kv heads, d=128, bf16: "
         f"triton {triton_ms:.3f} ms, torch reference {torch_ms:.3f} ms ({torch_ms / triton_ms:.1f}x)"
     )
-    print(f"\n{'N':>6} {'K':>6} {'M':>4} {'bf16 ms':>8} {'W8 ms':>8} {'W4 ms':>8} {'W8 x':>6} {'W4 x':>6}")
-    for n, k, m, bf16, w8, w4 in quant_gemm_times():
-        print(f"{n:>6} {k:>6} {m:>4} {bf16:>8.3f} {w8:>8.3f} {w4:>8.3f} {bf16 / w8:>6.2f} {bf16 / w4:>6.2f}")
+    print(f"\n{'N':>6} {'K':>6} {'M':>4} {'bf16 ms':>8} {'W8 ms':>8} {'W4 ms':>8} {'FP8 ms':>8}", end="")
+    print(f" {'W8 x':>6} {'W4 x':>6} {'FP8 x':>6}")
+    for n, k, m, bf16, w8, w4, f8 in quant_gemm_times():
+        print(f"{n:>6} {k:>6} {m:>4} {bf16:>8.3f} {w8:>8.3f} {w4:>8.3f} {f8:>8.3f}", end="")
+        print(f" {bf16 / w8:>6.2f} {bf16 / w4:>6.2f} {bf16 / f8:>6.2f}")
     return rc
 
 

@@ -1,12 +1,14 @@
-"""Weight-only quantized GEMM in Triton (W4A16 / W8A16): y = x W^T + b with W as 4- or 8-bit codes,
-dequantized per tile inside the kernel, accumulated in float32.
+"""Weight-only quantized GEMM in Triton (W4A16 / W8A16 / FP8 weights): y = x W^T + b with W as 4- or
+8-bit codes or float8 e4m3 bytes, dequantized per tile inside the kernel, accumulated in float32.
 
 Weight layout (`pack`): codes [K_int / (32 / bits), N] int32 packed along K, the first in the lowest
 bits (GPTQ's own order, so N is the contiguous, coalesced dim); scales and zero points [G, N] float32,
 group g covering internal columns [g * group_size, (g + 1) * group_size). An act-order permutation is
 applied to the activations before the kernel (one gather), as the canonical layout prescribes
-(asyncengine/quantization/canonical.py). float8 weights are not handled here: `pack` returns None and
-the caller runs its PyTorch fallback.
+(asyncengine/quantization/canonical.py). e4m3 bytes are packed as 8-bit codes and decoded in the kernel
+from their bits (sign, 4-bit exponent, 3-bit mantissa; 0x7f / 0xff are NaN), exactly, with integer ops
+and a bit cast: no float8 hardware type is needed (pre-Hopper GPUs, the interpreter), and the weight is
+never dequantized whole, where the PyTorch fallback dequantizes it on every call.
 
 float32 activations multiply in IEEE float32 (no TF32), so results match the dequantized reference to
 float32 rounding; bfloat16 / float16 activations meet weights rounded to their dtype.
@@ -29,16 +31,17 @@ except ImportError:
     tl = None
     HAS_TRITON = False
 
-QTYPE_U4, QTYPE_U8 = 0, 1  # as asyncengine.quantization.canonical (float8 is not packed here)
+QTYPE_U4, QTYPE_U8, QTYPE_FP8 = 0, 1, 2  # as asyncengine.quantization.canonical
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32  # tl.dot needs 16 rows; BLOCK_K divides every packed word run
 
 
 class TritonQuantWeight(NamedTuple):
     qweight: torch.Tensor  # [K_int / (32 / bits), N] int32
     scales: torch.Tensor  # [G, N] float32
-    zeros: torch.Tensor  # [G, N] float32
+    zeros: torch.Tensor | None  # [G, N] float32; None for e4m3
     perm: torch.Tensor | None  # [K_int] int64 input column per internal column, -1 reads zero
     bits: int
+    fp8: bool  # codes are e4m3 bytes: w = e4m3(code) * scale
     out_features: int
     in_features: int
     k_int: int
@@ -63,6 +66,7 @@ if HAS_TRITON:
         stride_ym,
         GROUP: tl.constexpr,
         BITS: tl.constexpr,
+        FP8: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         FP32: tl.constexpr,
         BM: tl.constexpr,
@@ -90,8 +94,16 @@ if HAS_TRITON:
             codes = (packed >> ((offs_k % PER) * BITS)[:, None]) & ((1 << BITS) - 1)  # [BK, BN]
             group = (offs_k // GROUP)[:, None] * N + offs_n[None, :]
             scale = tl.load(S + group, mask=wmask, other=0.0)
-            zero = tl.load(Z + group, mask=wmask, other=0.0)
-            w = (codes.to(tl.float32) - zero) * scale
+            if FP8:  # e4m3fn from its bits: normal (1 + m / 8) 2^(e - 7), subnormal m 2^-9, NaN at 0x7f
+                mag = codes & 0x7F
+                e = mag >> 3
+                normal = (((e + 120) << 23) | ((mag & 7) << 20)).to(tl.float32, bitcast=True)
+                w = tl.where(e == 0, (mag & 7).to(tl.float32) * 0.001953125, normal)
+                w = tl.where(mag == 0x7F, float("nan"), w)
+                w = tl.where((codes & 0x80) != 0, -w, w) * scale
+            else:
+                zero = tl.load(Z + group, mask=wmask, other=0.0)
+                w = (codes.to(tl.float32) - zero) * scale
             if FP32:
                 acc += tl.dot(x, w, input_precision="ieee")
             else:
@@ -115,8 +127,12 @@ def pack(
     qtype: int,
     device: torch.device,
 ) -> TritonQuantWeight | None:
-    """The kernel's copy of a canonical weight on `device`; None without Triton or for float8 codes."""
-    if not HAS_TRITON or qtype not in (QTYPE_U4, QTYPE_U8) or zeros is None:
+    """The kernel's copy of a canonical weight on `device`; None without Triton."""
+    if (
+        not HAS_TRITON
+        or qtype not in (QTYPE_U4, QTYPE_U8, QTYPE_FP8)
+        or (zeros is None) != (qtype == QTYPE_FP8)
+    ):
         return None
     bits = 4 if qtype == QTYPE_U4 else 8
     per = 32 // bits
@@ -132,9 +148,10 @@ def pack(
     return TritonQuantWeight(
         word.to(device),
         scales.float().contiguous().to(device),
-        zeros.float().contiguous().to(device),
+        zeros.float().contiguous().to(device) if zeros is not None else None,
         perm.to(device) if perm is not None else None,
         bits,
+        qtype == QTYPE_FP8,
         n,
         in_features,
         k_int,
@@ -159,7 +176,7 @@ def linear(x: torch.Tensor, weight: TritonQuantWeight, bias: torch.Tensor | None
         x2,
         weight.qweight,
         weight.scales,
-        weight.zeros,
+        weight.zeros if weight.zeros is not None else weight.scales,  # e4m3 reads no zeros
         bias if bias is not None else y,
         y,
         m,
@@ -170,6 +187,7 @@ def linear(x: torch.Tensor, weight: TritonQuantWeight, bias: torch.Tensor | None
         y.stride(0),
         GROUP=weight.group_size,
         BITS=weight.bits,
+        FP8=weight.fp8,
         HAS_BIAS=bias is not None,
         FP32=x.dtype == torch.float32,
         BM=BLOCK_M,

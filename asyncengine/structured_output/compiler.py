@@ -103,7 +103,8 @@ class GrammarCompiler:
                 self._hits += 1
                 return compiled
             self._misses += 1
-        params.validate(names)  # also the types (a Struct built in Python skips msgspec's); once per key
+        # also the types (a Struct built in Python skips msgspec's); once per key
+        params.validate(names, key=key)
         kind = params.kind
         param = (names or {}).get(kind, f"structured_outputs.{kind}")
         compiled = compile_limited(key, param, lambda: self._compile(key, params, param))

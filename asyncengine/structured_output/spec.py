@@ -69,11 +69,12 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
             ensure_ascii=False,
         )
 
-    def validate(self, names: Mapping[str, str] | None = None) -> None:
+    def validate(self, names: Mapping[str, str] | None = None, *, key: str | None = None) -> None:
         """Raises StructuredOutputError unless exactly one constraint is set and it compiles.
 
         `names` maps a field to the request parameter it came from (e.g. {"json": "guided_json"}), so the
-        error names what the client sent; by default "structured_outputs.<field>"."""
+        error names what the client sent; by default "structured_outputs.<field>". `key`: cache_key(), where
+        the caller has it already (a schema's key is a json.dumps of up to 512 KiB)."""
 
         def name(field: str) -> str:
             return (names or {}).get(field, f"structured_outputs.{field}")
@@ -90,7 +91,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
         if self.whitespace_pattern is not None:
             self._check_whitespace_pattern(kind, name("whitespace_pattern"))
         try:
-            key = self.cache_key()
+            key = key if key is not None else self.cache_key()
         except (ValueError, TypeError) as e:  # a schema that is not an object, or not JSON (a set)
             raise StructuredOutputError(str(e), name(kind)) from e
         if key in _validated:

@@ -54,14 +54,39 @@ def test_triton_quant_gemm_matches_the_dequantized_weight(qtype, n, k, group, ac
         torch.testing.assert_close(got, x @ dense.t(), rtol=3e-2, atol=3e-2)
 
 
-def test_float8_is_left_to_the_fallback() -> None:
+@pytest.mark.parametrize(("n", "k", "group"), [(40, 64, 64), (24, 96, 32)])  # per channel, block scales
+def test_triton_float8_weights_match_the_dequantized_weight(n: int, k: int, group: int) -> None:
+    """e4m3 bytes decoded from their bits in the kernel: every byte value (subnormals, the largest
+    normals, both signs) against torch's float8_e4m3fn conversion."""
     from asyncengine.cuda import triton_quant_gemm
 
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+    q[q & 0x7F == 0x7F] = 0x7E  # no NaN weights: they would make every output NaN
+    q[0, :] = torch.arange(k, dtype=torch.uint8)  # small magnitudes: zero and the subnormals
+    groups = torch.arange(k) // group
+    scales = torch.rand(k // group, n, generator=gen) * 0.05 + 0.01
+    canon = build(q, groups, scales, None, QTYPE_FP8)
+    args = (canon.q, canon.scales, canon.zeros, canon.perm, canon.in_features, canon.group_size, canon.qtype)
+    weight = triton_quant_gemm.pack(*args, torch.device(DEVICE))
+    assert weight is not None and weight.fp8
+    assert isinstance(kernels.prepare(canon, torch.device(DEVICE)), triton_quant_gemm.TritonQuantWeight) == (
+        DEVICE == "cuda"
+    )
+    dense = canon.dequantize_original()
+    x, bias = torch.randn(5, k), torch.randn(n)
+    got = triton_quant_gemm.linear(x.to(DEVICE), weight, bias.to(DEVICE)).cpu()
+    torch.testing.assert_close(got, x @ dense.t() + bias, rtol=1e-5, atol=1e-4)
+    one_hot = torch.eye(k)[:3]  # single columns: each output is one decoded weight times its scale
+    torch.testing.assert_close(
+        triton_quant_gemm.linear(one_hot.to(DEVICE), weight, None).cpu(), dense[:, :3].t()
+    )
+
+
+def test_float8_fallback_matches_the_dequantized_weight() -> None:
+    """The PyTorch fallback (no Triton, or a device without it) runs float8 weights too."""
     q = torch.randn(16, 32).to(torch.float8_e4m3fn).view(torch.uint8)
     canon = build(q, torch.zeros(32, dtype=torch.int64), torch.ones(1, 16), None, QTYPE_FP8)
-    args = (canon.q, canon.scales, canon.zeros, canon.perm, canon.in_features, canon.group_size, canon.qtype)
-    assert triton_quant_gemm.pack(*args, torch.device(DEVICE)) is None
-    weight = kernels.prepare(canon, torch.device(DEVICE)) if DEVICE == "cuda" else canon
     x = torch.randn(3, 32)
-    got = kernels.linear(x.to(DEVICE), weight, None).cpu()
+    got = kernels.linear(x, canon, None)
     torch.testing.assert_close(got, x @ canon.dequantize_original().t(), rtol=1e-5, atol=1e-5)
