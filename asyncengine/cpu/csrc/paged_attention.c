@@ -311,7 +311,10 @@ static inline __attribute__((always_inline)) void NAME##_values(int R, float *co
  * item: the scores and the online softmax run 16 heads a vector, so an item of one head used a sixteenth
  * of each. Measured per bf16 layer (12 heads of 64, 2 threads, keys in cache): batch 1 at 200-400 keys
  * 57 -> 23 us (one-head items before, two six-head items now), batch 2-3 at 100-600 keys 91 -> 53 and
- * 62 -> 43 us, batch 16 at 16-1024 keys 809 -> 753-785 us, batch 64 unchanged (whole rows already). */
+ * 62 -> 43 us, batch 16 at 16-1024 keys 809 -> 753-785 us, batch 64 unchanged (whole rows already).
+ * A group of rows sharing a prefix is still cut below that (down to one head) while it would hold over a
+ * quarter of a thread's share: left whole, one thread walked 50 rows of a shared prefix while the other
+ * idled (batch 64 with 50 sharers: 1.4 -> 2.5 ms a layer, the shared-prefix sweep cell 1.09 -> 0.73x). */
 #define MIN_RUN_HEADS 16
 #ifndef SEG_KEYS
 #define SEG_KEYS 1024
@@ -395,13 +398,15 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
     for (int g = 0; g < num_groups; g++) if (groups[g].count > biggest) biggest = groups[g].count;       \
     /* row-heads, a segment of a split lone row counting as a row: a quarter of a thread's share */     \
     const long units = (long)active + (num_items - num_groups), item_share = units * num_kv_heads / (4L * num_threads); \
-    /* halve the head runs while the threads outnumber the items, or (down to MIN_RUN_HEADS heads a run) \
-     * while there are fewer items than four a thread or the biggest is over a quarter of a share */    \
+    /* halve the head runs while the threads outnumber the items, while a group of rows (a shared      \
+     * prefix) would hold over a quarter of a thread's share, or, down to MIN_RUN_HEADS heads a run,     \
+     * while there are fewer items than four a thread */                                                \
     int per = num_kv_heads;                                                                             \
     for (;;) {                                                                                          \
         const long n_it = (long)num_items * ((num_kv_heads + per - 1) / per);                           \
-        const int unbalanced = n_it < 4L * num_threads || (long)biggest * per > item_share;             \
-        if (per == 1 || (n_it >= num_threads && !(unbalanced && per * group > MIN_RUN_HEADS))) break;   \
+        const int too_big = biggest > 1 && (long)biggest * per > item_share;                           \
+        const int too_few = n_it < 4L * num_threads && per * group > MIN_RUN_HEADS;                     \
+        if (per == 1 || (n_it >= num_threads && !too_big && !too_few)) break;                           \
         per = (per + 1) / 2;                                                                            \
     }                                                                                                   \
     const int num_chunks = (num_kv_heads + per - 1) / per;                                              \
