@@ -26,6 +26,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include "cpu_common.h" /* exp512: the softmax's exp, as in paged_attention.c */
+#include "prompt_attention.h" /* Call, the K transpose, the work plan */
 #include <omp.h>
 
 #define QT 16 /* query rows per work item */
@@ -34,62 +35,6 @@
 #define MAX_HEAD_DIM 128
 
 int bf16_attention_available(void) { return 1; }
-
-static inline int ceil_to(int n, int m) { return (n + m - 1) / m * m; }
-
-/* Lanes l of keys j .. j + 15 with lo <= j + l <= pos. */
-static inline __mmask16 valid_keys(int j, int lo, int pos) {
-    const int a = lo - j > 0 ? lo - j : 0, b = pos - j + 1 < 16 ? pos - j + 1 : 16;
-    if (b <= a) return 0;
-    return (__mmask16)((((1u << b) - 1) >> a) << a);
-}
-
-/* 16 x 16 32-bit words, transposed in registers (r[i] holds row i; afterwards column i). */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    }
-}
-
-/* One call's arguments, shared by its work items (as amx_attention.c's). */
-typedef struct {
-    const uint16_t *q, *k, *v;
-    uint16_t *out;
-    long q_stride, k_stride, v_stride, out_stride;
-    /* [num_seqs][4]: first query row, query rows, first key row (or block-table row), key rows */
-    const int *seqs;
-    /* NULL, or block tables [.][table_stride]: key j at row table[j / block_size] * block_size +
-     * j % block_size */
-    const int *tables;
-    int table_stride, block_size;
-    int H, Hkv, D, window;
-    float scale;
-} Call;
-
-/* The row of k / v that holds key j of sequence s. */
-static inline long key_row(const Call *c, int s, int j) {
-    if (!c->tables) return (long)c->seqs[4 * s + 2] + j;
-    const int *table = c->tables + (long)c->seqs[4 * s + 2] * c->table_stride;
-    return (long)table[j / c->block_size] * c->block_size + j % c->block_size;
-}
 
 /* Sequence s, KV head g: its keys into kt ([16-key block][D / 2 dim pairs][16 keys][2], keys rounded up
  * to 16) and its values into vt ([key pair][D][2], keys rounded up to 32), zero past its length. */
@@ -253,128 +198,58 @@ static void query_tile(const Call *c, int s, int h, int t, const uint16_t *kt, c
     }
 }
 
-/* A (sequence, KV head)'s packed keys (rounded up to 16) and values (rounded up to 32). */
-static inline size_t unit_size(int len, int D) { return (size_t)(ceil_to(len, 16) + ceil_to(len, 32)) * D; }
-
-typedef struct { uint16_t *k, *v; } UnitTiles;
-
-/* Sequence s, KV head g's packed keys and values in `kv`, where base[s] is where sequence s's units start. */
-static inline UnitTiles unit_tiles(uint16_t *kv, const size_t *base, const int *seqs, int s, int g, int D) {
-    const int len = seqs[4 * s + 3];
-    uint16_t *k = kv + base[s] + (size_t)g * unit_size(len, D);
-    return (UnitTiles){k, k + (size_t)ceil_to(len, 16) * D};
-}
-
-typedef struct {
-    long cost;
-    int index;
-} Ranked;
-static int by_cost_desc(const void *a, const void *b) {
-    const long x = ((const Ranked *)a)->cost, y = ((const Ranked *)b)->cost;
-    return x < y ? 1 : x > y ? -1 : ((const Ranked *)a)->index - ((const Ranked *)b)->index;
-}
-
 /* The arguments and results of amx_attention_bf16 (amx_attention.c), for D = 64 or 128:
  * seqs: [num_seqs][4] = first query row, query rows, first key row, key rows (rows of q/out and of k/v).
  * q, out [rows, H * D], k, v [rows, Hkv * D], each with its row stride in elements.
  * tables (or NULL): the keys are read in place from a paged cache, k / v its [blocks * block_size,
  * Hkv * D] rows; a sequence's third field is then the row of `tables` that holds its block table.
  * Returns 0; -1 for an unsupported shape (D not 64 or 128, H not a multiple of Hkv, more query than key
- * rows); -2 when scratch cannot be allocated.
- *
- * Work: with at least 4 (sequence, KV head) units per thread, a thread takes a unit, packs its K / V and
- * runs all of its query tiles while those are in L2 (largest units first). With fewer (one long prompt,
- * few KV heads), every unit is packed first and the (head, query tile) items are shared out. */
+ * rows); -2 when scratch cannot be allocated. The work split is prompt_attention.h's plan_work. */
 int bf16_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long k_stride, const uint16_t *v,
                         long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs,
                         const int *tables, int table_stride, int block_size, int H, int Hkv, int D,
                         float scale, int window, int num_threads) {
     if (tables && block_size <= 0) return -1;
-    if ((D != 64 && D != 128) || Hkv <= 0 || H % Hkv || num_seqs < 0) return -1;
-    size_t packed = 0, items = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        const int q_len = seqs[4 * s + 1], kv_len = seqs[4 * s + 3];
-        if (q_len < 0 || q_len > kv_len) return -1;
-        packed += Hkv * unit_size(kv_len, D);
-        items += (size_t)H * ((q_len + QT - 1) / QT);
+    if (D != 64 && D != 128) return -1;
+    Plan p;
+    const int rc = plan_work(seqs, num_seqs, H, Hkv, D, QT, num_threads, &p);
+    if (rc) {
+        free_plan(&p);
+        return rc > 0 ? 0 : rc;
     }
-    if (!items) return 0;
     /* clang-format off */
     const Call c = {q, k, v, out, q_stride, k_stride, v_stride, out_stride, seqs, tables, table_stride,
-                    block_size, H, Hkv, D, window, scale};
+                    block_size, H, Hkv, D, window, 0, scale};
     /* clang-format on */
-    const int group = H / Hkv, units = num_seqs * Hkv;
-    const int fused = units >= 4 * num_threads;
-    /* kept between calls (one per calling thread): a fresh multi-MiB buffer per layer would be page-faulted
-     * in every time */
-    static __thread uint16_t *kv_buf;
-    static __thread size_t kv_cap;
-    if (packed * 2 > kv_cap) {
-        free(kv_buf);
-        kv_cap = (packed * 2 * 5 / 4 + 63) / 64 * 64; /* headroom: the next step's prompts may be longer */
-        kv_buf = aligned_alloc(64, kv_cap);
-        if (!kv_buf) kv_cap = 0;
-    }
-    uint16_t *kv = kv_buf;
-    size_t *base = malloc(sizeof(size_t) * (num_seqs + 1));
-    const long n_work = fused ? units : (long)items;
-    Ranked *work = malloc(sizeof(Ranked) * n_work);
-    const int failed = !base || !work || !kv;
-    if (!failed) {
-        base[0] = 0;
-        for (int s = 0; s < num_seqs; s++) base[s + 1] = base[s] + Hkv * unit_size(seqs[4 * s + 3], D);
-        /* the costliest first, for the dynamic schedule: a unit's cost grows with q_len * kv_len, a query
-         * tile's with its last key */
-        long n = 0, tiles_before = 0;
-        for (int s = 0; s < num_seqs; s++) {
-            const int q_len = seqs[4 * s + 1], kv_len = seqs[4 * s + 3], tiles = (q_len + QT - 1) / QT;
-            if (fused) {
-                for (int g = 0; g < Hkv; g++) work[n++] = (Ranked){(long)q_len * kv_len, s * Hkv + g};
-            } else {
-                for (int t = 0; t < tiles; t++)
-                    for (int h = 0; h < H; h++)
-                        work[n++] =
-                            (Ranked){kv_len - q_len + (long)QT * t + QT, (int)((tiles_before + t) * H + h)};
-            }
-            tiles_before += tiles;
-        }
-        qsort(work, n_work, sizeof(Ranked), by_cost_desc);
-    }
-    if (!failed) {
+    const int group = H / Hkv;
 #pragma omp parallel num_threads(num_threads)
-        {
-            if (fused) {
+    {
+        if (p.fused) {
 #pragma omp for schedule(dynamic, 1)
-                for (long i = 0; i < n_work; i++) {
-                    const int s = work[i].index / Hkv, g = work[i].index % Hkv,
-                              tiles = (seqs[4 * s + 1] + QT - 1) / QT;
-                    const UnitTiles u = unit_tiles(kv, base, seqs, s, g, D);
-                    pack_kv(&c, s, g, u.k, u.v);
-                    for (int h = g * group; h < (g + 1) * group; h++)
-                        for (int t = tiles - 1; t >= 0; t--) query_tile(&c, s, h, t, u.k, u.v);
-                }
-            } else {
+            for (long i = 0; i < p.n_work; i++) {
+                const int s = p.work[i].index / Hkv, g = p.work[i].index % Hkv, tiles = (seqs[4 * s + 1] + QT - 1) / QT;
+                const UnitTiles u = unit_tiles(p.kv, p.base, seqs, s, g, D);
+                pack_kv(&c, s, g, u.k, u.v);
+                for (int h = g * group; h < (g + 1) * group; h++)
+                    for (int t = tiles - 1; t >= 0; t--) query_tile(&c, s, h, t, u.k, u.v);
+            }
+        } else {
 #pragma omp for schedule(dynamic, 1)
-                for (int i = 0; i < units; i++) {
-                    const UnitTiles u = unit_tiles(kv, base, seqs, i / Hkv, i % Hkv, D);
-                    pack_kv(&c, i / Hkv, i % Hkv, u.k, u.v);
-                }
+            for (int i = 0; i < p.units; i++) {
+                const UnitTiles u = unit_tiles(p.kv, p.base, seqs, i / Hkv, i % Hkv, D);
+                pack_kv(&c, i / Hkv, i % Hkv, u.k, u.v);
+            }
 #pragma omp for schedule(dynamic, 1)
-                for (long i = 0; i < n_work; i++) {
-                    /* index = (tiles of the earlier sequences + t) * H + h; sequences are few here (fewer
-                     * than 4 units per thread), so s is found by a walk */
-                    int s = 0, t = work[i].index / H;
-                    const int h = work[i].index % H;
-                    while (t >= (seqs[4 * s + 1] + QT - 1) / QT) t -= (seqs[4 * s + 1] + QT - 1) / QT, s++;
-                    const UnitTiles u = unit_tiles(kv, base, seqs, s, h / group, D);
-                    query_tile(&c, s, h, t, u.k, u.v);
-                }
+            for (long i = 0; i < p.n_work; i++) {
+                int s, t, h;
+                unfused_item(&p.work[i], seqs, H, QT, &s, &t, &h);
+                const UnitTiles u = unit_tiles(p.kv, p.base, seqs, s, h / group, D);
+                query_tile(&c, s, h, t, u.k, u.v);
             }
         }
     }
-    free(base);
-    free(work);
-    return failed ? -2 : 0;
+    free_plan(&p);
+    return 0;
 }
 
 #else /* no AVX512-BF16 in this build: callers keep torch's SDPA */

@@ -3,6 +3,8 @@ softmax."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from test_attention_cpu import build_batch
@@ -41,11 +43,25 @@ def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None)
     ],
 )
 def test_matches_sdpa_and_is_as_accurate(heads, head_dim, window, lens) -> None:
+    q, k, v, out, seqs = run_prompts(amx_prompt_attention, lens, heads, head_dim, window)
+    for q0, q_len, k0, kv_len in seqs:
+        check(out[q0 : q0 + q_len], q[q0 : q0 + q_len], k[k0 : k0 + kv_len], v[k0 : k0 + kv_len], window)
+
+
+def run_prompts(
+    kernel: Callable[..., bool],
+    lens: list[tuple[int, int]],
+    heads: tuple[int, int],
+    head_dim: int,
+    window: int | None,
+) -> tuple:
+    """Prompts of (query rows, key rows) through a prompt kernel (amx_prompt_attention's signature), keys
+    and values strided views of one projection output as the model hands them over; checks that nothing
+    was written outside the rows. Returns q, k, v, out and the (q0, q_len, k0, kv_len) of each prompt."""
     num_heads, num_kv_heads = heads
     torch.manual_seed(0)
     t, s = sum(q for q, _ in lens), sum(kv for _, kv in lens)
     q = torch.randn(t, num_heads, head_dim).to(torch.bfloat16)
-    # keys and values as strided views of one projection output, as the model hands them over
     kv = torch.randn(s, 2, num_kv_heads, head_dim).to(torch.bfloat16)
     k, v = kv[:, 0], kv[:, 1]
     sentinel = torch.full((t + 3, num_heads, head_dim), 7.0, dtype=torch.bfloat16)
@@ -54,16 +70,19 @@ def test_matches_sdpa_and_is_as_accurate(heads, head_dim, window, lens) -> None:
     for q_len, kv_len in lens:
         seqs.append((qs, q_len, ks, kv_len))
         qs, ks = qs + q_len, ks + kv_len
-    assert amx_prompt_attention(q, k, v, out, seqs, head_dim**-0.5, window)
+    assert kernel(q, k, v, out, seqs, head_dim**-0.5, window)
     assert (sentinel[0] == 7).all() and (sentinel[t + 1 :] == 7).all()  # nothing written outside the rows
-    for q0, q_len, k0, kv_len in seqs:
-        qi, ki, vi = q[q0 : q0 + q_len], k[k0 : k0 + kv_len], v[k0 : k0 + kv_len]
-        got, ref = out[q0 : q0 + q_len], causal_attention(qi, ki, vi, head_dim**-0.5, window)
-        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
-        # both round P to bfloat16 before P V: their errors against the exact result are alike
-        e = exact(qi, ki, vi, window)
-        err_amx, err_sdpa = (got.double() - e).abs().mean(), (ref.double() - e).abs().mean()
-        assert err_amx <= 1.1 * err_sdpa + 1e-6
+    return q, k, v, out, seqs
+
+
+def check(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> None:
+    """got against SDPA (close) and against the exact result: both round P to bfloat16 before P V, so their
+    errors against the exact result are alike."""
+    ref = causal_attention(q, k, v, q.shape[2] ** -0.5, window)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    e = exact(q, k, v, window)
+    err_kernel, err_sdpa = (got.double() - e).abs().mean(), (ref.double() - e).abs().mean()
+    assert err_kernel <= 1.1 * err_sdpa + 1e-6
 
 
 def test_rows_outside_the_call_are_untouched_and_a_row_is_batch_independent() -> None:

@@ -6,27 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_amx_attention import exact
+from test_amx_attention import check, run_prompts
 from test_attention_cpu import build_batch
 
 from asyncengine.cpu.attention import load_amx_library
 from asyncengine.cpu.bf16_attention import ENV, bf16_prompt_attention, load_library
 from asyncengine.layers.attention_cpu import CpuAttentionBackend
-from asyncengine.layers.attention_torch import TorchAttentionBackend, causal_attention, gather_kv
+from asyncengine.layers.attention_torch import TorchAttentionBackend, gather_kv
 
 pytestmark = pytest.mark.skipif(
     load_library() is None, reason="the CPU has no AVX512-BF16 (or there is no C compiler)"
 )
-
-
-def check(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> None:
-    """got against SDPA (close) and against the exact result (about as accurate as SDPA)."""
-    scale = q.shape[2] ** -0.5
-    ref = causal_attention(q, k, v, scale, window)
-    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
-    e = exact(q, k, v, window)
-    err_kernel, err_sdpa = (got.double() - e).abs().mean(), (ref.double() - e).abs().mean()
-    assert err_kernel <= 1.1 * err_sdpa + 1e-6
 
 
 @pytest.mark.parametrize("heads", [(12, 12), (12, 2), (12, 1)])
@@ -41,21 +31,7 @@ def check(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ],
 )
 def test_matches_sdpa_and_is_as_accurate(heads, head_dim, window, lens) -> None:
-    num_heads, num_kv_heads = heads
-    torch.manual_seed(0)
-    t, s = sum(q for q, _ in lens), sum(kv for _, kv in lens)
-    q = torch.randn(t, num_heads, head_dim).to(torch.bfloat16)
-    # keys and values as strided views of one projection output, as the model hands them over
-    kv = torch.randn(s, 2, num_kv_heads, head_dim).to(torch.bfloat16)
-    k, v = kv[:, 0], kv[:, 1]
-    sentinel = torch.full((t + 3, num_heads, head_dim), 7.0, dtype=torch.bfloat16)
-    out = sentinel[1 : t + 1]
-    seqs, qs, ks = [], 0, 0
-    for q_len, kv_len in lens:
-        seqs.append((qs, q_len, ks, kv_len))
-        qs, ks = qs + q_len, ks + kv_len
-    assert bf16_prompt_attention(q, k, v, out, seqs, head_dim**-0.5, window)
-    assert (sentinel[0] == 7).all() and (sentinel[t + 1 :] == 7).all()  # nothing written outside the rows
+    q, k, v, out, seqs = run_prompts(bf16_prompt_attention, lens, heads, head_dim, window)
     for q0, q_len, k0, kv_len in seqs:
         check(out[q0 : q0 + q_len], q[q0 : q0 + q_len], k[k0 : k0 + kv_len], v[k0 : k0 + kv_len], window)
 

@@ -1,0 +1,166 @@
+/* What the two prompt-attention kernels (amx_attention.c on AMX tiles, bf16_attention.c on AVX512-BF16)
+ * share: their call's arguments, the key masks, the 16 x 16 word transpose that packs K, where a
+ * (sequence, KV head)'s packed K / V live, and the work plan (validation, the per-thread packing buffer,
+ * the costliest-first list of work items). Each kernel packs and multiplies its own way. Included only
+ * where the build has AVX512-BF16; cpu/build.py hashes this file into every library's cache key. */
+#ifndef ASYNCENGINE_PROMPT_ATTENTION_H
+#define ASYNCENGINE_PROMPT_ATTENTION_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline int ceil_to(int n, int m) { return (n + m - 1) / m * m; }
+
+/* Lanes l of keys j .. j + 15 with lo <= j + l <= pos. */
+static inline __mmask16 valid_keys(int j, int lo, int pos) {
+    const int a = lo - j > 0 ? lo - j : 0, b = pos - j + 1 < 16 ? pos - j + 1 : 16;
+    if (b <= a) return 0;
+    return (__mmask16)((((1u << b) - 1) >> a) << a);
+}
+
+/* 16 x 16 32-bit words, transposed in registers (r[i] holds row i; afterwards column i). */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* One call's arguments, shared by its work items. */
+typedef struct {
+    const uint16_t *q, *k, *v;
+    uint16_t *out;
+    long q_stride, k_stride, v_stride, out_stride;
+    /* [num_seqs][4]: first query row, query rows, first key row (or block-table row), key rows */
+    const int *seqs;
+    /* NULL, or block tables [.][table_stride]: key j at row table[j / block_size] * block_size +
+     * j % block_size */
+    const int *tables;
+    int table_stride, block_size;
+    int H, Hkv, D, window, ld; /* ld: the AMX kernel's scratch rows' length in keys */
+    float scale;
+} Call;
+
+/* The row of k / v that holds key j of sequence s. */
+static inline long key_row(const Call *c, int s, int j) {
+    if (!c->tables) return (long)c->seqs[4 * s + 2] + j;
+    const int *table = c->tables + (long)c->seqs[4 * s + 2] * c->table_stride;
+    return (long)table[j / c->block_size] * c->block_size + j % c->block_size;
+}
+
+/* A (sequence, KV head)'s packed keys (rounded up to 16) and values (rounded up to 32). */
+static inline size_t unit_size(int len, int D) { return (size_t)(ceil_to(len, 16) + ceil_to(len, 32)) * D; }
+
+typedef struct { uint16_t *k, *v; } UnitTiles;
+
+/* Sequence s, KV head g's packed keys and values in `kv`, where base[s] is where sequence s's units start. */
+static inline UnitTiles unit_tiles(uint16_t *kv, const size_t *base, const int *seqs, int s, int g, int D) {
+    const int len = seqs[4 * s + 3];
+    uint16_t *k = kv + base[s] + (size_t)g * unit_size(len, D);
+    return (UnitTiles){k, k + (size_t)ceil_to(len, 16) * D};
+}
+
+typedef struct {
+    long cost;
+    int index;
+} Ranked;
+static int by_cost_desc(const void *a, const void *b) {
+    const long x = ((const Ranked *)a)->cost, y = ((const Ranked *)b)->cost;
+    return x < y ? 1 : x > y ? -1 : ((const Ranked *)a)->index - ((const Ranked *)b)->index;
+}
+
+/* A call's work: with at least 4 (sequence, KV head) units per thread (`fused`) a thread takes a unit,
+ * packs its K / V and runs all of its query tiles while those are in L2 (largest units first); with fewer
+ * (one long prompt, few KV heads) every unit is packed first and the (head, query tile) items are shared
+ * out, costliest first. */
+typedef struct {
+    uint16_t *kv;  /* the packed K / V of every unit (the calling thread's buffer, kept between calls) */
+    size_t *base;  /* [num_seqs + 1]: where each sequence's units start in kv */
+    Ranked *work;  /* units (fused) or (query tile, head) items, costliest first */
+    long n_work;
+    int fused, units, max_kv;
+} Plan;
+
+/* The plan for a call with query tiles of `qt` rows: 0, 1 when there is nothing to do, -1 for an
+ * unsupported shape (more query than key rows, H not a multiple of Hkv), -2 when memory is short. */
+static int plan_work(const int *seqs, int num_seqs, int H, int Hkv, int D, int qt, int num_threads, Plan *p) {
+    *p = (Plan){0};
+    if (Hkv <= 0 || H % Hkv || num_seqs < 0) return -1;
+    size_t packed = 0, items = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = seqs[4 * s + 1], kv_len = seqs[4 * s + 3];
+        if (q_len < 0 || q_len > kv_len) return -1;
+        p->max_kv = kv_len > p->max_kv ? kv_len : p->max_kv;
+        packed += Hkv * unit_size(kv_len, D);
+        items += (size_t)H * ((q_len + qt - 1) / qt);
+    }
+    if (!items) return 1;
+    p->units = num_seqs * Hkv;
+    p->fused = p->units >= 4 * num_threads;
+    /* kept between calls (one per calling thread): a fresh multi-MiB buffer per layer would be page-faulted
+     * in every time */
+    static __thread uint16_t *kv_buf;
+    static __thread size_t kv_cap;
+    if (packed * 2 > kv_cap) {
+        free(kv_buf);
+        kv_cap = (packed * 2 * 5 / 4 + 63) / 64 * 64; /* headroom: the next step's prompts may be longer */
+        kv_buf = aligned_alloc(64, kv_cap);
+        if (!kv_buf) kv_cap = 0;
+    }
+    p->kv = kv_buf;
+    p->base = malloc(sizeof(size_t) * (num_seqs + 1));
+    p->n_work = p->fused ? p->units : (long)items;
+    p->work = malloc(sizeof(Ranked) * p->n_work);
+    if (!p->base || !p->work || !p->kv) return -2;
+    p->base[0] = 0;
+    for (int s = 0; s < num_seqs; s++) p->base[s + 1] = p->base[s] + Hkv * unit_size(seqs[4 * s + 3], D);
+    /* the costliest first, for the dynamic schedule: a unit's cost grows with q_len * kv_len, a query tile's
+     * with its last key */
+    long n = 0, tiles_before = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = seqs[4 * s + 1], kv_len = seqs[4 * s + 3], tiles = (q_len + qt - 1) / qt;
+        if (p->fused) {
+            for (int g = 0; g < Hkv; g++) p->work[n++] = (Ranked){(long)q_len * kv_len, s * Hkv + g};
+        } else {
+            for (int t = 0; t < tiles; t++)
+                for (int h = 0; h < H; h++)
+                    p->work[n++] = (Ranked){kv_len - q_len + (long)qt * t + qt, (int)((tiles_before + t) * H + h)};
+        }
+        tiles_before += tiles;
+    }
+    qsort(p->work, p->n_work, sizeof(Ranked), by_cost_desc);
+    return 0;
+}
+
+static void free_plan(Plan *p) {
+    free(p->base);
+    free(p->work);
+}
+
+/* An unfused item's (sequence, query tile, head): index = (tiles of the earlier sequences + t) * H + h;
+ * sequences are few there (fewer than 4 units per thread), so s is found by a walk. */
+static inline void unfused_item(const Ranked *item, const int *seqs, int H, int qt, int *s, int *t, int *h) {
+    int seq = 0, tile = item->index / H;
+    while (tile >= (seqs[4 * seq + 1] + qt - 1) / qt) tile -= (seqs[4 * seq + 1] + qt - 1) / qt, seq++;
+    *s = seq, *t = tile, *h = item->index % H;
+}
+
+#endif
