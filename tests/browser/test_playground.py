@@ -34,6 +34,8 @@ CHROMIUM_ARGS = [
 ]
 KEY = "sk-browser-key"
 LONG = 3000  # max tokens of a generation that is stopped long before its end (the KV cache holds 4096)
+# ... with EOS ignored: the tiny model's distribution is near uniform over 512 tokens, so a sampled
+# generation meets EOS after ~500 tokens on average and ~10% of them within the first 50
 FRAME_LIMIT = 20_000  # the server's --max-frame-bytes: a longer prompt's frame gets a 413
 LIVE_LIMIT = 3  # the server's --max-live-per-connection: one more gets a 429
 PAGE_ERRORS: list[str] = []  # uncaught JavaScript errors of the pages
@@ -101,6 +103,11 @@ def set_params(page, **fields: object) -> None:  # noqa: ANN001
         page.fill(f"#{name}", str(value))
 
 
+def long_generations(page) -> None:  # noqa: ANN001
+    set_params(page, max_tokens=LONG)
+    page.check("#ignore_eos")
+
+
 def finish_of(page, index: int = 0) -> str:  # noqa: ANN001 - panels are newest first
     return page.eval_on_selector_all(".run .run-stats", f"els => els[{index}].dataset.finish")
 
@@ -152,9 +159,10 @@ def test_streams_a_completion_with_live_figures(browser, server) -> None:  # noq
 def test_stop_frees_the_request_on_the_server(browser, server) -> None:  # noqa: ANN001
     page = open_page(browser, server.base)
     connected(page)
-    set_params(page, max_tokens=LONG)
+    long_generations(page)
     page.keyboard.press("Control+Enter")
     page.wait_for_function("document.querySelector('.run .run-gen').textContent.length > 20")
+    assert SENT[-1]["params"]["ignore_eos"] is True and SENT[-1]["params"]["max_tokens"] == LONG
     page.keyboard.press("Escape")
     wait_finished(page)
     assert finish_of(page) == "abort"
@@ -168,7 +176,7 @@ def test_concurrent_generations_over_one_connection(browser, server, tmp_path: P
     page = open_page(browser, server.base)
     connected(page)
     # one long generation, then a compare pair (two temperatures side by side) while it runs
-    set_params(page, max_tokens=LONG)
+    long_generations(page)
     page.click("#send")
     page.wait_for_function("document.querySelector('.run .run-gen').textContent.length > 0")
     set_params(page, max_tokens=24, temperature=1.0)
@@ -313,7 +321,7 @@ def test_413_and_429_show_in_their_panels(browser, server) -> None:  # noqa: ANN
     assert "413 too large" in alerts(page), alerts(page)
     # LIVE_LIMIT live generations on one connection, then one more: that one gets a 429
     page.fill("#prompt", "hello")
-    set_params(page, max_tokens=LONG)
+    long_generations(page)
     page.click("#send")  # two, compared
     page.wait_for_function("document.querySelectorAll('.run .run-gen')[0].textContent.length > 0")
     page.click("#send")  # two more: the fourth is one too many
@@ -353,7 +361,7 @@ def test_a_dropped_connection_reconnects(browser, server) -> None:  # noqa: ANN0
         browser, server.base, before=lambda p: p.route_web_socket(re.compile(r".*/v1/ws$"), proxy)
     )
     connected(page)
-    set_params(page, max_tokens=LONG)
+    long_generations(page)
     page.click("#send")
     page.wait_for_function("document.querySelector('.run .run-gen').textContent.length > 0")
     page_side, server_side = routes[0]
@@ -376,7 +384,7 @@ def test_a_dead_engine_shows_503(browser, model: Path, tmp_path_factory: pytest.
     try:
         page = open_page(browser, srv.base)
         connected(page)
-        set_params(page, max_tokens=LONG)
+        long_generations(page)
         page.click("#send")
         page.wait_for_function("document.querySelector('.run .run-gen').textContent.length > 0")
         os.kill(worker_pids(srv.proc.pid)[0], signal.SIGKILL)

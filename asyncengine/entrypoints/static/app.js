@@ -176,6 +176,7 @@ function samplingParams(temperature, structured) {
     max_tokens: numberOf("max_tokens"), seed: numberOf("seed"), structured_outputs: structured };
   const stop = $("stop").value.split("\n").filter((s) => s).map((s) => s.replaceAll("\\n", "\n"));
   if (stop.length) params.stop = stop;
+  if ($("ignore_eos").checked) params.ignore_eos = true;
   for (const k of Object.keys(params)) if (params[k] === undefined) delete params[k];
   return params;
 }
