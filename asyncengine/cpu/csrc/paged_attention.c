@@ -216,13 +216,16 @@ static inline __m512 hsum16x16(const __m512 d[16]) {
  * them (rescaling acc); then acc += p.v (NAME##_values). Scores are laid out [hg / 16][sb][16]: a key's
  * dots with 16 heads are reduced together (hsum16x16) into one vector, and the softmax then works on 16
  * heads a vector, one key at a time. kb/vb: the block's first key at the run's first KV head.
- * k_next/v_next: a block to prefetch (or NULL): a random address the hardware prefetcher cannot guess; its
- * rows are fetched one per key of this block, so the loads overlap with this block's math. Into L2, not
- * L1: a block's K and V (48 KiB at 12 heads of 64 in bfloat16) are L1's size, and L1 holds this block
- * (measured: 2.30 -> 2.25 ms a layer at batch 64). */
+ * k_next/v_next: the next block to prefetch (or NULL): a random address the hardware prefetcher cannot
+ * guess. Its K rows are fetched one per key during the scores half, its V rows a share per head during
+ * the values half, so the requests are spread over the whole block's math rather than bunched into its
+ * first half (K and V both in the scores half: 2.04-2.12 -> 1.76-1.99 ms a layer at batch 64 x 256 keys
+ * and 16 x 1024 out of cache, 24 -> 28 GB/s). Into L2, not L1: a block's K and V (48 KiB at 12 heads of
+ * 64 in bfloat16) are L1's size, and L1 holds this block (measured: 2.30 -> 2.25 ms a layer at batch 64).
+ * A second block ahead instead of one measured no better. */
 #define DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32)                                                 \
 static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, float *scores,             \
-                                 const KT *kb, const KT *k_next, const KT *v_next, int n, int nkv,        \
+                                 const KT *kb, const KT *k_next, int n, int nkv,                          \
                                  int group, int head_dim, int width, int qw, int sb, long kv_stride,      \
                                  float scale) {                                                         \
     const int hg = nkv * group;                                                                         \
@@ -230,7 +233,6 @@ static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, f
         if (k_next)                                                                                     \
             for (long b = 0; b < (long)nkv * head_dim * (long)sizeof(KT); b += 64) {                     \
                 _mm_prefetch((const char *)(k_next + t * kv_stride) + b, _MM_HINT_T1);                   \
-                _mm_prefetch((const char *)(v_next + t * kv_stride) + b, _MM_HINT_T1);                   \
             }                                                                                           \
         for (int c0 = 0; c0 < hg; c0 += 16) { /* 16 heads' dots with key t, reduced together */        \
             __m512 d[16];                                                                               \
@@ -276,9 +278,15 @@ static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, f
  * widened once for all the rows (VLOAD32: two float32 vectors, lo and hi, in acc's layout; ACC_INDEX    \
  * maps a dim to its acc slot). Every row adds the same products in the same order whatever R is. */    \
 static inline __attribute__((always_inline)) void NAME##_values(int R, float *const *acc, const float *const *scores, const KT *vb, int n, \
-                                 int nkv, int group, int head_dim, int width, int sb, long kv_stride) { \
-    for (int x = 0; x < nkv * group; x++) {                                                             \
+                                 int nkv, int group, int head_dim, int width, int sb, long kv_stride,     \
+                                 const KT *v_next) {                                                    \
+    const int hg = nkv * group;                                                                         \
+    for (int x = 0; x < hg; x++) {                                                                      \
         const KT *vh = vb + (x / group) * head_dim;                                                     \
+        if (v_next) /* the next block's V rows, a share per head */                                     \
+            for (int t = x * n / hg; t < (x + 1) * n / hg; t++)                                          \
+                for (long b = 0; b < (long)nkv * head_dim * (long)sizeof(KT); b += 64)                  \
+                    _mm_prefetch((const char *)(v_next + t * kv_stride) + b, _MM_HINT_T1);               \
         for (int j = 0; j < width; j += 32) {                                                           \
             const long o = (long)x * width + j;                                                         \
             __m512 lo[4], hi[4];                                                                        \
@@ -465,18 +473,18 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                         const int pf = j == 0 && next >= 0;                                             \
                         accs[r] = acc; scs[r] = scores + (size_t)r * max_hg16 * sb;                       \
                         NAME##_scores(qf, acc, m, s, scs[r], k_cache + base, pf ? k_cache + next : NULL, \
-                                      pf ? v_cache + next : NULL, block_size, nkv, group, head_dim, width, qw, sb, \
-                                      kv_stride, scale);                                                \
+                                      block_size, nkv, group, head_dim, width, qw, sb, kv_stride, scale); \
                     }                                                                                   \
+                    const KT *vpf = j0 == 0 && next >= 0 ? v_cache + next : NULL; /* by the first call */ \
                     if (rows == 4)                                                                      \
                         NAME##_values(4, accs, (const float *const *)scs, v_cache + base, block_size, nkv, group, \
-                                      head_dim, width, sb, kv_stride);                                  \
+                                      head_dim, width, sb, kv_stride, vpf);                             \
                     if (rows == 2 || rows == 3)                                                         \
                         NAME##_values(2, accs, (const float *const *)scs, v_cache + base, block_size, nkv, group, \
-                                      head_dim, width, sb, kv_stride);                                  \
+                                      head_dim, width, sb, kv_stride, vpf);                             \
                     if (rows == 1 || rows == 3)                                                         \
                         NAME##_values(1, accs + rows - 1, (const float *const *)scs + rows - 1, v_cache + base, block_size, \
-                                      nkv, group, head_dim, width, sb, kv_stride);                      \
+                                      nkv, group, head_dim, width, sb, kv_stride, rows == 1 ? vpf : NULL); \
                 }                                                                                       \
             }                                                                                           \
             for (int j = 0; j < gr.count; j++) { /* each row's own blocks (or this segment's), then its output */ \
@@ -501,9 +509,9 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                     const long next = start + n < end                                                   \
                         ? ((long)table[start / block_size + 1] * block_size * num_kv_heads + kv0) * head_dim : -1; \
                     NAME##_scores(qf, acc, m, s, scores, k_cache + base, next >= 0 ? k_cache + next : NULL, \
-                                  next >= 0 ? v_cache + next : NULL, n, nkv, group, head_dim, width, qw, sb, \
-                                  kv_stride, scale);                                                    \
-                    NAME##_values(1, &acc, (const float *const *)&scores, v_cache + base, n, nkv, group, head_dim, width, sb, kv_stride); \
+                                  n, nkv, group, head_dim, width, qw, sb, kv_stride, scale);           \
+                    NAME##_values(1, &acc, (const float *const *)&scores, v_cache + base, n, nkv, group, head_dim, width, sb, \
+                                  kv_stride, next >= 0 ? v_cache + next : NULL);                        \
                 }                                                                                       \
                 if (nseg[row] > 1) { /* this segment's partial; merged below */                         \
                     const int sg = it.seg >= 0 ? it.seg : (n_keys - 1) / seg_keys;                      \
