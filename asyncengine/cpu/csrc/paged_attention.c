@@ -183,6 +183,9 @@ static int group_rows(const int32_t *block_tables, const int32_t *query_start, c
     return n_groups;
 }
 
+/* the next work item to hand out (a counter shared by the threads) */
+static inline long take(long *counter) { return __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED); }
+
 /* Row j's slice of a work item's scratch: its query (in the kernel's QT, cast by the caller) and acc,
  * [hg][width] floats each, then m and s [hg]; slices are row_floats apart. */
 typedef struct { float *q, *acc, *m, *s; } RowState;
@@ -423,6 +426,7 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
     /* one row's q, acc [hg][width]; m, s [hg]; rounded to 16 floats so every row's q and acc stay 64-byte aligned */ \
     const size_t row_floats = ((size_t)max_hg * (2 * width + 2) + 15) / 16 * 16;                      \
     int failed = 0;                                                                                     \
+    long counter = 0; /* the next work item to hand out */                                              \
     _Pragma("omp parallel num_threads(num_threads)")                                                    \
     {                                                                                                   \
         /* per thread: the rows' state for the biggest group, then scores [4][hg][sb] */                 \
@@ -433,8 +437,24 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
             failed = 1;                                                                                 \
         }                                                                                               \
         float *scores = buf + row_floats * (size_t)biggest;                                             \
-        _Pragma("omp for schedule(dynamic, 1)")                                                         \
-        for (long work = 0; work < total; work++) {                                                     \
+        /* items by an atomic counter, each thread holding the one it does next while items are many  \
+         * (with few, holding one would starve the other threads): its first cache block is prefetched  \
+         * during the current item's last instead of met cold (batch 64: 1.89 -> 1.80 ms a layer at 256 \
+         * keys, 0.87 -> 0.81 at 128; long rows, whose first block is a smaller share, level) */          \
+        const int ahead = total >= 8L * num_threads;                                                    \
+        for (long work = take(&counter), upcoming = ahead ? take(&counter) : 0; work < total;            \
+             work = ahead ? upcoming : take(&counter), upcoming = ahead ? take(&counter) : 0) {           \
+            long upcoming_base = -1;                                                                    \
+            if (ahead && upcoming < total) {                                                            \
+                const WorkItem ui = items[upcoming / num_chunks];                                       \
+                const RowGroup ug = groups[ui.group];                                                   \
+                const int urow = order[ug.first];                                                       \
+                int ustart = ug.shared > 0 ? 0 : first_key[urow];                                       \
+                if (ui.seg >= 0 && ui.seg * seg_keys > ustart) ustart = ui.seg * seg_keys;              \
+                if (ustart < row_keys[urow])                                                            \
+                    upcoming_base = (((long)block_tables[(long)row_seq[urow] * max_blocks + ustart / block_size] * block_size \
+                                      + ustart % block_size) * num_kv_heads + (long)(upcoming % num_chunks) * per) * head_dim; \
+            }                                                                                           \
             if (!buf) continue;                                                                         \
             const WorkItem it = items[work / num_chunks];                                               \
             const RowGroup gr = groups[it.group];                                                       \
@@ -507,7 +527,8 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                     n = end - start < block_size - off ? end - start : block_size - off;                \
                     const long base = (((long)table[start / block_size] * block_size + off) * num_kv_heads + kv0) * head_dim; \
                     const long next = start + n < end                                                   \
-                        ? ((long)table[start / block_size + 1] * block_size * num_kv_heads + kv0) * head_dim : -1; \
+                        ? ((long)table[start / block_size + 1] * block_size * num_kv_heads + kv0) * head_dim \
+                        : j == gr.count - 1 ? upcoming_base : -1;                                       \
                     NAME##_scores(qf, acc, m, s, scores, k_cache + base, next >= 0 ? k_cache + next : NULL, \
                                   n, nkv, group, head_dim, width, qw, sb, kv_stride, scale);           \
                     NAME##_values(1, &acc, (const float *const *)&scores, v_cache + base, n, nkv, group, head_dim, width, sb, \
@@ -525,7 +546,7 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
-        /* (the implicit barrier of the loop above: every partial is in) each split row's segments, merged */ \
+        _Pragma("omp barrier") /* every partial is in: each split row's segments, merged */             \
         _Pragma("omp for schedule(static)")                                                             \
         for (long w = 0; w < (long)num_split * num_heads; w++) {                                        \
             if (failed) continue;                                                                       \
