@@ -258,6 +258,22 @@ class QKVParallelLinear(ColumnParallelLinear):
             return
         super().weight_loader(param, loaded, shard_id)
 
+    def load_sharded(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        # a fused checkpoint tensor (GPT-2's c_attn, quantized or quantized while loading) is cut into its
+        # q, k and v parts along the output features, each loaded as if stored apart
+        dims = param.shard_dims  # type: ignore[attr-defined]
+        if shard_id is None and dims.out_dim is not None:
+            total_kv = self.total_num_kv_heads * self.head_dim
+            sizes = [self.total_num_heads * self.head_dim, total_kv, total_kv]
+            if any(size % dims.out_pack for size in sizes):
+                raise ModelLoadError(f"a fused qkv part is not aligned to its packing ({dims.out_pack})")
+            check_dim(loaded, dims.out_dim, sum(sizes) // dims.out_pack)
+            parts = loaded.split([size // dims.out_pack for size in sizes], dim=dims.out_dim)
+            for sid, part in zip(("q", "k", "v"), parts, strict=True):
+                super().load_sharded(param, part, sid)
+            return
+        super().load_sharded(param, loaded, shard_id)
+
     def output_shard(self, shard_id: Any = None) -> tuple[int, int, int, int]:
         rank = self.parallel.tp_rank
         if shard_id == "q":
@@ -265,8 +281,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         elif shard_id in ("k", "v"):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             size, src_index = self.kv_size, rank // self.kv_replicas
-        elif shard_id is None:
-            raise ModelLoadError("a quantized fused qkv tensor is not supported: store q, k and v apart")
         else:
             raise ValueError(f"unknown qkv shard {shard_id!r}")
         total_heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads

@@ -29,6 +29,8 @@ CASES = {
     "qwen2-int8": ("qwen2", None),
     "qwen3-gptq8-g32-v2": ("qwen3", Spec("gptq_v2", 8, 32)),
     "qwen3-ct-w4a16-g32": ("qwen3", Spec("compressed", 4, 32)),
+    "mistral-gptq4-g32": ("mistral", Spec("gptq", 4, 32)),
+    "gpt2-int8": ("gpt2", None),  # a fused c_attn, cut into q, k and v after quantizing its rows
 }
 
 
