@@ -18,11 +18,16 @@ LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size":
 
 
 @pytest.mark.parametrize(
-    ("case", "spec"),
-    [("gptq4-asym-actorder", Spec("gptq", 4, 64, sym=False, desc_act=True)), ("int8", None)],
+    ("arch", "spec"),
+    [
+        ("llama", Spec("gptq", 4, 64, sym=False, desc_act=True)),
+        ("llama", None),
+        ("gpt2", None),  # int8 of a fused c_attn: each rank's q, k and v rows
+    ],
+    ids=["gptq4-asym-actorder", "int8", "gpt2-int8"],
 )
-def test_parallel_quantized_equals_single_process(case, spec, quantized_factory, llm_factory) -> None:
-    quantized, _ = quantized_factory("llama", spec, **ODD_SHAPES)
+def test_parallel_quantized_equals_single_process(arch, spec, quantized_factory, llm_factory) -> None:
+    quantized, _ = quantized_factory(arch, spec, **ODD_SHAPES)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 17, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
