@@ -16,6 +16,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Workers leave their CPU KV cache's pages to fault in on first use (as before cpu/prefault.py): populating
+# every test engine's cache (4 GiB by default) would spend seconds of a core and GiBs of memory per engine
+# that the tests never touch. tests/asyncengine/cpu/test_prefault.py turns it on where it is tested; the
+# variable is inherited by the worker processes the tests spawn.
+os.environ.setdefault("ASYNCENGINE_CPU_KV_PREFAULT", "0")
+
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.append(_TESTS_DIR)

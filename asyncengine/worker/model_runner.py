@@ -18,6 +18,8 @@ from torch import nn
 from asyncengine.config import EngineConfig
 from asyncengine.cpu import gemm as cpu_gemm
 from asyncengine.cpu.kernel_graph import KernelGraphRunner, kernel_graphs_apply
+from asyncengine.cpu.prefault import Prefaulter
+from asyncengine.cpu.prefault import enabled as prefault_enabled
 from asyncengine.cuda.graph_runner import GraphRunner, ModelInputs
 from asyncengine.layers.attention import Attention, AttentionMetadata, forward_context
 from asyncengine.layers.grammar_mask import apply_token_bitmask_, bitmask_from_bytes
@@ -45,7 +47,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     """A zero-filled tensor; on CPU over an anonymous mmap, whose pages the OS zero-fills on first touch.
 
     torch.zeros writes every byte up front: ~1 s for the default 4 GiB CPU KV cache, most of a tiny
-    model's start-up. Reads of never-written slots still see zeros (masked-out keys must be finite)."""
+    model's start-up. Reads of never-written slots still see zeros (masked-out keys must be finite).
+    The pages are then faulted in by a low-priority thread (cpu/prefault.py) while the engine idles."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
@@ -96,6 +99,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graph_runner: GraphRunner | None = None
+        self.prefaulter: Prefaulter | None = None  # the CPU cache's pages, faulted in after start-up
         self._decode_meta: AttentionMetadata | None = None  # host facts of the decode step being run
 
     # -- KV cache ---------------------------------------------------------------------------------
@@ -112,6 +116,12 @@ class ModelRunner:
             layer.k_cache = zeros(shape, self.kv_dtype, self.device)
             layer.v_cache = zeros(shape, self.kv_dtype, self.device)
             self.kv_caches.append((layer.k_cache, layer.v_cache))
+        if self.prefaulter is not None:
+            self.prefaulter.close()
+            self.prefaulter = None
+        if self.device.type == "cpu" and prefault_enabled():
+            self.prefaulter = Prefaulter([t for pair in self.kv_caches for t in pair])
+            self.prefaulter.start()
         # Decode steps of the first stage go through the GraphRunner on a GPU (CUDA graphs; eager on
         # padded static buffers with enforce_eager). Later stages receive their input from the previous
         # stage and run eagerly (see docs/architecture.md). On a CPU with the C kernels a single-rank,
@@ -152,6 +162,8 @@ class ModelRunner:
             self.graph_runner.capture()
 
     def close(self) -> None:
+        if self.prefaulter is not None:
+            self.prefaulter.close()
         # NOTE: graphs go before the process groups do (the worker destroys those after this)
         if self.graph_runner is not None:
             self.graph_runner.close()

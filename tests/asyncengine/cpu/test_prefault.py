@@ -1,0 +1,76 @@
+"""The CPU KV cache's pages are faulted in by a background thread (cpu/prefault.py): afterwards writing
+every page takes no page fault, the contents are untouched, and a ModelRunner starts and stops one."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import pytest
+import torch
+
+from asyncengine.cpu import prefault
+from asyncengine.worker.model_runner import zeros
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+
+PAGES = 4096
+
+
+def faults_writing_every_page(t: torch.Tensor) -> int:
+    flat = t.view(torch.uint8).view(-1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    flat[:: prefault.PAGE].fill_(7)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_populated_pages_take_no_fault_and_keep_their_contents() -> None:
+    fresh = zeros((PAGES * prefault.PAGE // 4,), torch.float32, torch.device("cpu"))
+    assert faults_writing_every_page(fresh) >= PAGES // 2  # lazily zero-filled: a fault a page
+    cache = zeros((PAGES * prefault.PAGE // 4,), torch.float32, torch.device("cpu"))
+    cache[:10] = torch.arange(10.0)  # written before the populate: kept
+    filler = prefault.Prefaulter([cache], step_bytes=1 << 20)
+    if not filler.run():
+        pytest.skip("this kernel refuses MADV_POPULATE_WRITE")
+    assert filler.populated == cache.numel() * 4
+    assert torch.equal(cache[:10], torch.arange(10.0)) and not cache[10:].any()
+    assert faults_writing_every_page(cache) < PAGES // 16
+
+
+def test_close_stops_the_thread_between_steps() -> None:
+    cache = zeros((PAGES * prefault.PAGE // 4,), torch.float32, torch.device("cpu"))
+    filler = prefault.Prefaulter([cache], step_bytes=prefault.PAGE)
+    filler._stop.set()  # as if closed before the first step
+    assert filler.run() is False and filler.populated == 0
+    filler.start()
+    filler.close()
+    assert filler._thread is not None and not filler._thread.is_alive()
+
+
+def test_the_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCENGINE_CPU_KV_PREFAULT", "0")
+    assert not prefault.enabled()
+    monkeypatch.setenv("ASYNCENGINE_CPU_KV_PREFAULT", "1")
+    assert prefault.enabled()
+
+
+def test_a_model_runner_prefaults_its_cache_and_stops_on_close(
+    tiny_model_factory,
+    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+) -> None:
+    monkeypatch.setenv("ASYNCENGINE_CPU_KV_PREFAULT", "1")  # tests/conftest.py turns it off elsewhere
+    from asyncengine.config import EngineConfig
+    from asyncengine.layers.parallel import ParallelContext
+    from asyncengine.worker.model_runner import ModelRunner
+
+    cfg = EngineConfig(model=str(tiny_model_factory("llama")), dtype="float32")
+    runner = ModelRunner(cfg, ParallelContext(), torch.device("cpu"), torch.float32, 64)
+    runner.init_cache(64)
+    filler = runner.prefaulter
+    assert filler is not None
+    assert filler._thread is not None
+    filler._thread.join(10)
+    runner.close()
+    assert not filler._thread.is_alive()
+    expected = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
+    assert filler.populated in (0, expected)  # 0: a kernel without MADV_POPULATE_WRITE
