@@ -224,6 +224,49 @@ def median(values: Sequence[float]) -> float:
     return percentile(values, 50)
 
 
+def worker_rss_bytes(parent: int | None = None) -> int:
+    """Resident bytes of the asyncengine worker processes under `parent` (this process by default)."""
+    parent = os.getpid() if parent is None else parent
+    total, todo = 0, [parent]
+    while todo:
+        pid = todo.pop()
+        children = []
+        for task in Path(f"/proc/{pid}/task").glob("*"):  # a child belongs to the thread that started it
+            with contextlib.suppress(OSError):
+                children += (task / "children").read_text().split()
+        for child in map(int, children):
+            todo.append(child)
+            try:
+                if b"asyncengine.worker.main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    rss_pages = int(Path(f"/proc/{child}/statm").read_text().split()[1])
+                    total += rss_pages * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, ValueError, IndexError):
+                pass
+    return total
+
+
+def wait_kv_prefault(kv_bytes: int, timeout: float = 120.0) -> float:
+    """After an engine starts, its workers fault the CPU KV cache's pages in from a low-priority thread
+    (asyncengine/cpu/prefault.py), as vLLM's zero-filled cache is before it serves; a timed run started at
+    once would share the cores with that thread or take the faults itself. Waits until the workers'
+    resident memory covers `kv_bytes` or stops growing for 3 s (or `timeout`); returns the seconds
+    waited. A no-op where /proc is absent or ASYNCENGINE_CPU_KV_PREFAULT=0."""
+    if os.environ.get("ASYNCENGINE_CPU_KV_PREFAULT", "1") == "0" or not Path("/proc/self/statm").exists():
+        return 0.0
+    t0 = last_change = time.monotonic()
+    last = worker_rss_bytes()
+    while time.monotonic() - t0 < timeout:
+        time.sleep(0.5)
+        now = worker_rss_bytes()
+        if now >= kv_bytes:
+            break
+        if now > last + (1 << 20):
+            last, last_change = now, time.monotonic()
+        elif time.monotonic() - last_change > 3.0:
+            break
+    return time.monotonic() - t0
+
+
 def machine_info() -> dict[str, Any]:
     """Date, load average and versions: every result file records the conditions it was measured in."""
     info: dict[str, Any] = {

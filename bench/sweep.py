@@ -52,6 +52,7 @@ from common import (  # noqa: E402
     table,
     vllm_available,
     vllm_env,
+    wait_kv_prefault,
     write_json,
 )
 
@@ -122,6 +123,7 @@ def run_asyncengine(
     )
     try:
         llm.generate([[5 + i] * 24 for i in range(4)], SamplingParams(temperature=0.0, max_tokens=4))
+        wait_kv_prefault(int(args.kv_gib * 2**30))
         for name, wl in todo:
             params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
             assert llm.reset_prefix_cache()  # cold, as vLLM's run of the cell

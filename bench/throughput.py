@@ -82,6 +82,7 @@ from common import (  # noqa: E402
     table,
     vllm_available,
     vllm_env,
+    wait_kv_prefault,
     workload_flops,
     write_json,
 )
@@ -111,6 +112,7 @@ def run_asyncengine(
     try:
         warm = [[5 + i] * 24 for i in range(4)]
         llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        wait_kv_prefault(int(args.kv_gib * 2**30))
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
         t0 = time.perf_counter()
         fut = pool.submit(llm.generate, wl.prompts, params)
