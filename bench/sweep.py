@@ -9,8 +9,9 @@ Grid: prompt lengths {16-256, 16-1024, 512-2048} x output lengths {8-64, 16-128,
 log-uniform, 64 requests per cell; plus, per prompt range, a shared-prefix cell (80% of prompts start
 with one common prefix of half the range's top, outputs 16-128) and a prefill-only cell (1 output
 token) of the same prompts. Prompts depend only on (prompt range, seed), outputs only on (output range,
-seed), so every cell of a row has the same prompts, and decode time is estimated as the cell's time
-minus its row's prefill-only time. Greedy, EOS ignored: every engine makes the same number of tokens.
+seed), so every cell of a row but the shared one has the same prompts, and decode time is estimated as
+the cell's time minus its row's prefill-only time. Greedy, EOS ignored: every engine makes the same
+number of tokens.
 
 Model: "medium4k", a seeded random ~110M-matmul-parameter Llama (bench/common.py: hidden 768, 12
 layers, vocab 32000, 4096 positions). Each engine loads it once per dtype and runs every cell, so
@@ -227,7 +228,9 @@ def report(results: dict[str, dict[str, dict[str, Any]]], workloads: dict[str, W
     detail = []
     for cell in workloads:
         a, v = ae.get(cell), vl.get(cell)
-        row = cell.split("/")[0]
+        row, col = cell.split("/")
+        # The shared-prefix cell has other prompts than its row's prefill-only cell: no decode estimate.
+        same_prompts = col not in ("prefill", "shared")
         pre_a, pre_v = ae.get(f"{row}/prefill"), vl.get(f"{row}/prefill")
         ref, ref_name = (hf.get(cell), "HF") if hf.get(cell) else (v, "vLLM")
         detail.append(
@@ -237,8 +240,8 @@ def report(results: dict[str, dict[str, dict[str, Any]]], workloads: dict[str, W
                 tps(vl, cell),
                 a["seconds"] if a else None,
                 v["seconds"] if v else None,
-                (a["seconds"] - pre_a["seconds"]) if a and pre_a and not cell.endswith("prefill") else None,
-                (v["seconds"] - pre_v["seconds"]) if v and pre_v and not cell.endswith("prefill") else None,
+                (a["seconds"] - pre_a["seconds"]) if a and pre_a and same_prompts else None,
+                (v["seconds"] - pre_v["seconds"]) if v and pre_v and same_prompts else None,
                 f"{100 * agreement(a['token_ids'], ref['token_ids']):.0f}% vs {ref_name}"
                 if a and ref
                 else None,
