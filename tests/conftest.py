@@ -21,6 +21,9 @@ if not torch.cuda.is_available():
 # that the tests never touch. tests/asyncengine/cpu/test_prefault.py turns it on where it is tested; the
 # variable is inherited by the worker processes the tests spawn.
 os.environ.setdefault("ASYNCENGINE_CPU_KV_PREFAULT", "0")
+# and keep glibc's malloc defaults (cpu/malloc.py): a test process loads dozens of models, whose freed
+# activations a tuned heap would keep; tests/asyncengine/cpu/test_malloc.py covers the settings
+os.environ.setdefault("ASYNCENGINE_CPU_MALLOC_TUNE", "0")
 
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:

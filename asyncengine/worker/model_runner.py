@@ -18,6 +18,7 @@ from torch import nn
 from asyncengine.config import EngineConfig
 from asyncengine.cpu import gemm as cpu_gemm
 from asyncengine.cpu.kernel_graph import KernelGraphRunner, kernel_graphs_apply
+from asyncengine.cpu.malloc import keep_freed_memory
 from asyncengine.cpu.prefault import Prefaulter
 from asyncengine.cpu.prefault import enabled as prefault_enabled
 from asyncengine.cuda.graph_runner import GraphRunner, ModelInputs
@@ -122,6 +123,8 @@ class ModelRunner:
         if self.device.type == "cpu" and prefault_enabled():
             self.prefaulter = Prefaulter([t for pair in self.kv_caches for t in pair])
             self.prefaulter.start()
+        if self.device.type == "cpu":
+            keep_freed_memory()  # the model is loaded: from here on, steps reuse their activations' pages
         # Decode steps of the first stage go through the GraphRunner on a GPU (CUDA graphs; eager on
         # padded static buffers with enforce_eager). Later stages receive their input from the previous
         # stage and run eagerly (see docs/architecture.md). On a CPU with the C kernels a single-rank,
