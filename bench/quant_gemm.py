@@ -7,8 +7,9 @@
 2. decode tokens/s of the bench's medium Llama (~100M, hidden 768, 12 layers) at batch 1 and 16 as
    bfloat16, `--quantization int8` and a GPTQ int4 checkpoint (group 128, written here), each also with
    `--lm-head-quantization int8` ("+head": this model's 32000 x 768 head is 23% of its bfloat16 weight
-   bytes and over half of int4's), each driven through a ModelRunner (bench/gpu_check.py's loop on the
-   CPU backend), with the resident bytes of the linear layers' weights and of the head per format.
+   bytes and over half of int4's), and int4 with `--lm-head-quantization int4` ("+head4"), each driven
+   through a ModelRunner (bench/gpu_check.py's loop on the CPU backend), with the resident bytes of the
+   linear layers' weights and of the head per format.
 
     python bench/quant_gemm.py                 # both parts, 1 thread
     python bench/quant_gemm.py --skip-decode --threads 2
@@ -184,6 +185,7 @@ def decode_rows(steps: int, repeats: int) -> list[list[object]]:
         "int4": (int4, None, None),
         "int8+head": (medium, "int8", "int8"),
         "int4+head": (int4, None, "int8"),
+        "int4+head4": (int4, None, "int4"),
     }
     sizes = {name: weight_bytes(*spec) for name, spec in formats.items()}
     rows: list[list[object]] = []
@@ -203,7 +205,7 @@ def decode_rows(steps: int, repeats: int) -> list[list[object]]:
     return rows
 
 
-FORMATS_X = ("int8", "int4", "int8+head", "int4+head")
+FORMATS_X = ("int8", "int4", "int8+head", "int4+head", "int4+head4")
 
 
 def main() -> int:
@@ -244,7 +246,7 @@ def main() -> int:
     decode = [] if args.skip_decode else decode_rows(args.steps, args.repeats)
     if decode:
         print("\nDecode, medium model (tokens/s), and the linear layers' resident weight bytes:")
-        headers = ["batch", "bf16", "int8", "int4", "int8+head", "int4+head", *(f"{f} x" for f in FORMATS_X)]
+        headers = ["batch", "bf16", *FORMATS_X, *(f"{f} x" for f in FORMATS_X)]
         print(table(headers, decode, digits=2))
     write_json(
         OUT / "quant_gemm.json",

@@ -4,6 +4,7 @@
     python bench/sweep.py                                   # the full grid, float32 + bfloat16
     python bench/sweep.py --dtypes bfloat16 --engines asyncengine vllm
     python bench/sweep.py --quick                           # 2 x 2 cells, 16 requests, smoke test
+    python bench/sweep.py --dtypes bfloat16 --rows p16-256  # one row of the grid
 
 Grid: prompt lengths {16-256, 16-1024, 512-2048} x output lengths {8-64, 16-128, 16-256, 128-512},
 log-uniform, 64 requests per cell; plus, per prompt range, a shared-prefix cell (80% of prompts start
@@ -317,12 +318,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-gib", type=float, default=6.0)
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds one engine may take for a dtype")
     p.add_argument("--quick", action="store_true", help="2 x 2 cells, 16 requests")
+    p.add_argument(
+        "--rows", nargs="+", default=None, help="only these prompt ranges (e.g. p16-256), each engine's first"
+    )
     p.add_argument("--out", type=Path, default=OUT / "sweep.json")
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests = 16
     model = build_model("medium4k")
     todo = cells(args.num_requests, args.seed, args.quick)
+    if args.rows:
+        unknown = set(args.rows) - {name.split("/")[0] for name, _ in todo}
+        if unknown:
+            p.error(f"unknown rows {sorted(unknown)}")
+        todo = [(name, wl) for name, wl in todo if name.split("/")[0] in args.rows]
     workloads = dict(todo)
     engines = list(args.engines)
     if "vllm" in engines and not vllm_available():

@@ -8,7 +8,11 @@ a zero-fill page fault per 4 KiB (~2 us on this VM) and, on free, munmap's TLB s
 compute thread. Measured on 64 prompts of 16-256 tokens through a ModelRunner (2 threads, bfloat16, 4
 steps of 2,048 tokens): 4.2-4.9 s and 135-254k page faults with glibc's defaults, 3.3-3.5 s and ~100k
 (the KV cache's own first touches) with the settings below; the cost was spread over every small op
-(rotary + KV write 0.57-0.65 -> 0.14-0.28 s, SiLU 0.17-0.22 -> 0.07-0.09 s).
+(rotary + KV write 0.57-0.65 -> 0.14-0.28 s, SiLU 0.17-0.22 -> 0.07-0.09 s). Through the engine (the
+sweep's p16-256 row, fresh engines, 2026-12-05) the prefill-only cell took 3.4-3.5 s against 3.7-5.0 s
+with the worker's page faults halved (84k -> 44k); the long-decode cell (outputs 128-512) measured level
+to 4% slower (21.5-22.1 s against 20.7-21.7 s), within this VM's run-to-run spread but mostly on the slow
+side, and a runner's batch-64 decode step level (58.8-62.6 ms both ways).
 
 The settings are made after the model is loaded (the worker's init_cache), so load-time temporaries
 (a checkpoint's float32 copy, quantize-at-load's bfloat16) are still returned to the OS and do not

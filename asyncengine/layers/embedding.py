@@ -13,6 +13,7 @@ from asyncengine.cpu import ops as cpu_ops
 from asyncengine.errors import ModelLoadError
 from asyncengine.layers.parallel import ParallelContext, tp_all_gather, tp_all_reduce
 from asyncengine.quantization import kernels
+from asyncengine.quantization.int4 import quantize_groups
 from asyncengine.quantization.int8 import int8_canonical, quantize_rows
 
 
@@ -67,7 +68,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocabulary; each rank computes its vocab slice, then all-gather."""
 
     packed: cpu_gemm.PackedWeight | None = None  # the weight packed for CPU GEMMs (cpu/gemm.py)
-    quant_weight: Any = None  # quantization.kernels.KernelWeight once quantize_int8() ran
+    quant_weight: Any = None  # quantization.kernels.KernelWeight once quantize() ran
     tied = False
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
@@ -75,13 +76,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
         self.tied = True
 
-    def quantize_int8(self) -> None:
-        """--lm-head-quantization int8: the logits GEMM reads int8 codes with per-row scales (this rank's
-        vocab rows; padding rows stay zero) through the quantized kernels. A weight-only, load-time
-        choice, as llama.cpp quantizes its output tensor: on a small model the head is a large share of a
-        decode step's bytes. A tied weight stays for the embedding lookup too."""
-        codes, scales = quantize_rows(self.weight.data)
-        self.quant_weight = kernels.prepare(int8_canonical(codes, scales), self.weight.device)
+    def quantize(self, method: str) -> None:
+        """--lm-head-quantization: the logits GEMM reads codes through the quantized kernels (this rank's
+        vocab rows; padding rows stay zero). int8: per-row scales; int4: a scale and zero point per row
+        and 32 hidden columns (quantization/int4.py). A weight-only, load-time choice, as llama.cpp
+        quantizes its output tensor: on a small model the head is a large share of a decode step's bytes.
+        A tied weight stays for the embedding lookup too."""
+        if method == "int8":
+            canonical = int8_canonical(*quantize_rows(self.weight.data))
+        elif method == "int4":
+            canonical = quantize_groups(self.weight.data).canonical()
+        else:
+            raise ValueError(f"unknown LM head quantization {method!r}")
+        self.quant_weight = kernels.prepare(canonical, self.weight.device)
         if not self.tied:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 

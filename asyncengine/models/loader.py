@@ -119,12 +119,12 @@ def load_model(
         for module in model.modules():  # codes and scales into each kernel's layout
             if callable(getattr(module, "process_weights_after_loading", None)):
                 module.process_weights_after_loading()
-    if lm_head_quantization == "int8":
+    if lm_head_quantization is not None:
         from asyncengine.layers.embedding import ParallelLMHead
 
         for module in model.modules():
             if isinstance(module, ParallelLMHead):
-                module.quantize_int8()
+                module.quantize(lm_head_quantization)
     return model.eval()
 
 
