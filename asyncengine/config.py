@@ -58,9 +58,11 @@ class EngineConfig:
     quantization: str | None = field(
         default=None,
         metadata={
-            "help": "int8: quantize an unquantized checkpoint's linear layers to int8 per output channel at "
-            "load time (weight-only; about half of bfloat16's weight bytes). Quantized checkpoints (GPTQ, "
-            "AWQ, FP8, compressed-tensors) are read from their config.json without this flag"
+            "help": "int8 | int4: quantize an unquantized checkpoint's linear layers at load time "
+            "(weight-only). int8: per output channel, about half of bfloat16's weight bytes; int4: a scale "
+            "and minimum per output channel and 32 inputs (round-to-nearest, llama.cpp's Q4_1 blocks), "
+            "about 0.38x. Quantized checkpoints (GPTQ, AWQ, FP8, compressed-tensors) are read from their "
+            "config.json without this flag"
         },
     )
     lm_head_quantization: str | None = field(

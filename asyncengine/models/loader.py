@@ -15,7 +15,7 @@ from torch import nn
 from asyncengine.errors import ModelLoadError
 from asyncengine.layers.parallel import ParallelContext
 from asyncengine.model_config import is_self_contained, model_max_len, read_model_config
-from asyncengine.quantization.config import parse_quant_config
+from asyncengine.quantization.config import LOAD_TIME_METHODS, parse_quant_config
 from asyncengine.quantization.context import building_with
 from asyncengine.quantization.method import QuantLinearMethod
 from asyncengine.quantization.methods import make_linear_method
@@ -133,7 +133,7 @@ def quant_method_for(hf_config: Any, model_class: type, quantization: str | None
     qconfig = parse_quant_config(getattr(hf_config, "quantization_config", None), quantization)
     if qconfig is None:
         return None
-    if qconfig.method != "int8" and model_class.__name__ == "GPT2LMHeadModel":
+    if qconfig.method not in LOAD_TIME_METHODS and model_class.__name__ == "GPT2LMHeadModel":
         raise ModelLoadError(f"{qconfig.method} checkpoints are read for the Llama family, not GPT-2")
     return make_linear_method(qconfig)
 

@@ -2,7 +2,7 @@
 
 Torch-free, so the engine process can reject an unsupported checkpoint before any worker starts. What
 each field means for the tensors on disk is in the method's module (gptq.py, awq.py, fp8.py,
-compressed.py, int8.py).
+compressed.py, int8.py, int4.py).
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from typing import Any
 from asyncengine.errors import ConfigError
 
 # --quantization: methods applied at load time to an unquantized (bf16 / fp16 / fp32) checkpoint
-LOAD_TIME_METHODS = ("int8",)
+LOAD_TIME_METHODS = ("int8", "int4")
+INT4_GROUP_SIZE = 32  # --quantization int4 (quantization/int4.py): as llama.cpp's 4-bit blocks
 SUPPORTED = (
     "gptq (4/8-bit, group 32/64/128/per-channel, sym/asym, desc_act), awq (GEMM, 4-bit), "
     "fp8 (e4m3; per-tensor, per-channel or block scales), compressed-tensors (pack-quantized W4A16/W8A16), "
-    "and --quantization int8 for unquantized checkpoints"
+    "and --quantization int8 / int4 for unquantized checkpoints"
 )
 
 
@@ -25,7 +26,7 @@ SUPPORTED = (
 class QuantConfig:
     """How a checkpoint's linear layers are quantized (weights only; activations stay in the model dtype)."""
 
-    method: str  # gptq | awq | fp8 | compressed-tensors | int8
+    method: str  # gptq | awq | fp8 | compressed-tensors | int8 | int4
     bits: int  # 4 or 8
     group_size: int  # input features per scale; -1: one scale per output channel
     sym: bool = True
@@ -65,6 +66,8 @@ def parse_quant_config(raw: dict[str, Any] | None, override: str | None = None) 
     if raw is None:
         if override == "int8":
             return QuantConfig(method="int8", bits=8, group_size=-1)
+        if override == "int4":
+            return QuantConfig(method="int4", bits=4, group_size=INT4_GROUP_SIZE, sym=False)
         return None
     if not isinstance(raw, dict):
         raise _unsupported(f"quantization_config {raw!r}")

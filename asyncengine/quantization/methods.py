@@ -7,6 +7,7 @@ from asyncengine.quantization.compressed import CompressedTensorsLinearMethod
 from asyncengine.quantization.config import QuantConfig
 from asyncengine.quantization.fp8 import FP8LinearMethod
 from asyncengine.quantization.gptq import GPTQLinearMethod
+from asyncengine.quantization.int4 import Int4LinearMethod
 from asyncengine.quantization.int8 import Int8LinearMethod
 from asyncengine.quantization.method import QuantLinearMethod
 
@@ -16,6 +17,7 @@ METHODS: dict[str, type[QuantLinearMethod]] = {
     "fp8": FP8LinearMethod,
     "compressed-tensors": CompressedTensorsLinearMethod,
     "int8": Int8LinearMethod,
+    "int4": Int4LinearMethod,
 }
 
 

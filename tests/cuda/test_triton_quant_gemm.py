@@ -90,3 +90,23 @@ def test_float8_fallback_matches_the_dequantized_weight() -> None:
     x = torch.randn(3, 32)
     got = kernels.linear(x, canon, None)
     torch.testing.assert_close(got, x @ canon.dequantize_original().t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("n", "k"), [(24, 96), (40, 70)])  # 70: the last group is 6 columns
+def test_triton_round_to_nearest_int4_matches_its_dequantized_weight(n: int, k: int) -> None:
+    """`--quantization int4`'s codes (quantization/int4.py): fractional zero points (-min / scale), which
+    GPTQ's integer zeros never exercise."""
+    from asyncengine.cuda import triton_quant_gemm
+    from asyncengine.quantization.int4 import quantize_groups
+
+    gen = torch.Generator().manual_seed(2)
+    codes = quantize_groups(torch.randn(n, k, generator=gen) * 0.1 + 0.02)
+    assert not torch.equal(codes.zeros, codes.zeros.round())
+    canon = build(codes.codes, torch.arange(k) // codes.group_size, codes.scales, codes.zeros, QTYPE_U4)
+    args = (canon.q, canon.scales, canon.zeros, canon.perm, canon.in_features, canon.group_size, canon.qtype)
+    weight = triton_quant_gemm.pack(*args, torch.device(DEVICE))
+    assert weight is not None
+    torch.testing.assert_close(canon.dequantize_original(), codes.dequantize(), rtol=0, atol=1e-6)
+    x, bias = torch.randn(7, k, generator=gen), torch.randn(n, generator=gen)
+    got = triton_quant_gemm.linear(x.to(DEVICE), weight, bias.to(DEVICE)).cpu()
+    torch.testing.assert_close(got, x @ codes.dequantize().t() + bias, rtol=1e-5, atol=1e-4)

@@ -303,16 +303,53 @@ def write_checkpoint(src: Path, dst: Path, oracle: Path, spec: Spec, seed: int =
     return dst, oracle
 
 
-def write_int8_oracle(src: Path, oracle: Path) -> Path:
-    """The oracle of `--quantization int8` on `src`: each linear weight rounded to int8 per output channel
-    (symmetric, scale = max |w| / 127 of the row) and dequantized to float32."""
+def round_int8_rows(w: torch.Tensor) -> torch.Tensor:
+    """`--quantization int8` (and the int8 LM head), dequantized: symmetric per output row,
+    scale = max |w| / 127 of the row."""
+    w = w.float()
+    scale = w.abs().amax(1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale).clamp(-127, 127) * scale
+
+
+def round_int4_groups(w: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """`--quantization int4` (and the int4 LM head), dequantized: per output row and `group` input columns
+    (the last group may be shorter), code = round((w - min) / scale) with scale = (max - min) / 15."""
+    w = w.float()
+    out = torch.empty_like(w)
+    for start in range(0, w.shape[1], group):
+        block = w[:, start : start + group]
+        lo, hi = block.amin(1, keepdim=True), block.amax(1, keepdim=True)
+        scale = (hi - lo) / 15
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        out[:, start : start + group] = torch.round((block - lo) / scale).clamp(0, 15) * scale + lo
+    return out
+
+
+LOAD_TIME_ROUNDING = {"int8": round_int8_rows, "int4": round_int4_groups}
+# GPT-2's linear layers are Conv1D: stored [in, out], so their output rows are the stored columns
+GPT2_LINEAR = re.compile(r"(^|\.)h\.\d+\.(attn\.(c_attn|c_proj)|mlp\.(c_fc|c_proj))\.weight$")
+
+
+def load_time_method(spec: Spec | str | None) -> str | None:
+    """The --quantization flag a factory spec asks for: None and "int8" -> int8, "int4" -> int4, a Spec
+    (a pre-quantized checkpoint) -> no flag."""
+    if spec is None:
+        return "int8"
+    return spec if isinstance(spec, str) else None
+
+
+def write_load_time_oracle(src: Path, oracle: Path, method: str) -> Path:
+    """The oracle of `--quantization {method}` on `src`: each linear weight rounded as the method rounds
+    it and dequantized to float32."""
+    rounding = LOAD_TIME_ROUNDING[method]
     tensors = load_file(str(src / "model.safetensors"))
     out = {}
     for name, t in tensors.items():
         if LINEAR.search(name):
-            w = t.float()
-            scale = w.abs().amax(1, keepdim=True) / 127
-            out[name] = (torch.round(w / scale).clamp(-127, 127) * scale).contiguous()
+            out[name] = rounding(t).contiguous()
+        elif GPT2_LINEAR.search(name):
+            out[name] = rounding(t.t()).t().contiguous()
         else:
             out[name] = t
     oracle.mkdir(parents=True, exist_ok=True)

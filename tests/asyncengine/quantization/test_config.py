@@ -13,10 +13,12 @@ from asyncengine.errors import ConfigError
 from asyncengine.quantization.config import parse_quant_config
 
 
-def test_unquantized_is_none_and_int8_applies_at_load_time() -> None:
+def test_unquantized_is_none_and_int8_and_int4_apply_at_load_time() -> None:
     assert parse_quant_config(None) is None
     cfg = parse_quant_config(None, "int8")
     assert (cfg.method, cfg.bits, cfg.group_size) == ("int8", 8, -1)
+    cfg = parse_quant_config(None, "int4")
+    assert (cfg.method, cfg.bits, cfg.group_size, cfg.sym) == ("int4", 4, 32, False)
 
 
 def test_gptq_fields_and_its_v1_zero_convention() -> None:
@@ -61,8 +63,10 @@ def test_unsupported_methods_name_themselves_and_the_supported_ones(raw: dict, n
 def test_int8_flag_on_a_quantized_checkpoint_and_unknown_flags_are_refused() -> None:
     with pytest.raises(ConfigError, match="already gptq"):
         parse_quant_config({"quant_method": "gptq"}, "int8")
+    with pytest.raises(ConfigError, match="already gptq"):
+        parse_quant_config({"quant_method": "gptq"}, "int4")
     with pytest.raises(ConfigError, match="quantization must be one of"):
-        parse_quant_config(None, "int4")
+        parse_quant_config(None, "int2")
 
 
 def test_engine_config_refuses_before_any_worker_starts(tmp_path: Path) -> None:

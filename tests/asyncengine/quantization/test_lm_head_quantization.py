@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import ODD_SHAPES
-from quant_writer import Spec
+from quant_writer import LOAD_TIME_ROUNDING, Spec, round_int4_groups
 from safetensors.torch import load_file, save_file
 from tiny_models import hf_greedy, load_hf
 
@@ -32,37 +32,13 @@ PROMPTS = [[random.Random(n).randrange(3, 512) for _ in range(n)] for n in (1, 7
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-def round_rows(w: torch.Tensor) -> torch.Tensor:
-    """Symmetric int8 per row, dequantized (scale = max |w| / 127 of the row)."""
-    w = w.float()
-    scale = w.abs().amax(1, keepdim=True) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.round(w / scale).clamp(-127, 127) * scale
-
-
-def round_groups4(w: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """4 bits per row and group of `group` columns, dequantized: w ~ code * (max - min) / 15 + min."""
-    w = w.float()
-    out = torch.empty_like(w)
-    for start in range(0, w.shape[1], group):
-        block = w[:, start : start + group]
-        lo, hi = block.amin(1, keepdim=True), block.amax(1, keepdim=True)
-        scale = (hi - lo) / 15
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        out[:, start : start + group] = torch.round((block - lo) / scale).clamp(0, 15) * scale + lo
-    return out
-
-
-ROUNDING = {"int8": round_rows, "int4": round_groups4}
-
-
 def head_oracle(oracle: Path, dst: Path, method: str) -> Path:
     """`oracle` with its LM head rounded as `method` rounds it; a tied head becomes an untied, rounded copy
     of the embedding (the lookup keeps the full-precision embedding, as the engine does)."""
     tensors = load_file(str(oracle / "model.safetensors"))
     config = json.loads((oracle / "config.json").read_text())
     head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
-    tensors["lm_head.weight"] = ROUNDING[method](head).contiguous()
+    tensors["lm_head.weight"] = LOAD_TIME_ROUNDING[method](head).contiguous()
     config["tie_word_embeddings"] = False
     dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dst / "model.safetensors"))
@@ -130,7 +106,7 @@ def test_int4_groups_round_trip_and_multiply(shape: tuple[int, int]) -> None:
     codes = quantize_groups(w)
     assert int(codes.codes.max()) <= 15 and codes.scales.shape == (-(-shape[1] // 32), shape[0])
     dequant = codes.dequantize()
-    torch.testing.assert_close(dequant, round_groups4(w), rtol=0, atol=1e-6)
+    torch.testing.assert_close(dequant, round_int4_groups(w), rtol=0, atol=1e-6)
     assert not dequant[0].any()
     canonical = codes.canonical()
     torch.testing.assert_close(canonical.dequantize_original(), dequant, rtol=0, atol=1e-6)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import ODD_SHAPES
-from quant_writer import Spec
+from quant_writer import Spec, load_time_method
 from safetensors.torch import load_file
 
 from asyncengine.errors import ModelLoadError
@@ -31,6 +31,7 @@ SPECS = {
     "fp8-channel": Spec("fp8", fp8_scale="channel"),
     "fp8-block": Spec("fp8", fp8_scale="block", fp8_block=(32, 64)),
     "int8": None,
+    "int4": "int4",
 }
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -101,7 +102,7 @@ SHAPES = {"hidden": 96, "inter": 160, "q": 96}
 @pytest.mark.parametrize("name", list(SPECS))
 def test_every_format_loads_and_matches_the_dequantized_weights(name, tp, quantized_factory) -> None:
     quantized, oracle = quantized_factory("llama", SPECS[name], **ODD_SHAPES)
-    check(quantized, oracle, tp, SHAPES, "int8" if SPECS[name] is None else None)
+    check(quantized, oracle, tp, SHAPES, load_time_method(SPECS[name]))
 
 
 @pytest.mark.parametrize(

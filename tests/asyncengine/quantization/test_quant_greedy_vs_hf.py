@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from conftest import ODD_SHAPES
-from quant_writer import Spec
+from quant_writer import Spec, load_time_method
 from tiny_models import hf_greedy, load_hf
 
 from asyncengine import SamplingParams
@@ -31,6 +31,10 @@ CASES = {
     "qwen3-ct-w4a16-g32": ("qwen3", Spec("compressed", 4, 32)),
     "mistral-gptq4-g32": ("mistral", Spec("gptq", 4, 32)),
     "gpt2-int8": ("gpt2", None),  # a fused c_attn, cut into q, k and v after quantizing its rows
+    "llama-int4": ("llama", "int4"),  # --quantization int4: groups of 32 over hidden 96 / intermediate 160
+    "qwen2-int4": ("qwen2", "int4"),
+    "qwen3-int4": ("qwen3", "int4"),
+    "gpt2-int4": ("gpt2", "int4"),
 }
 
 
@@ -46,7 +50,7 @@ def test_quantized_greedy_matches_hf_on_dequantized_weights(case, quantized_fact
     prompts = make_prompts()
     expected = hf_greedy(oracle, prompts, MAX_NEW)
     # a 24-token budget chunks the longer prompts: prefill and decode both run the quantized GEMMs
-    llm = llm_factory(quantized, quantization="int8" if spec is None else None, max_num_batched_tokens=24)
+    llm = llm_factory(quantized, quantization=load_time_method(spec), max_num_batched_tokens=24)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
 
