@@ -12,8 +12,9 @@ Rows (shapes of a decode step of the "medium" bench model: hidden 768, 12 heads 
 * linear layers: packed weights (cpu/gemm.py: AMX tiles for bfloat16 where the CPU has AMX, else
   oneDNN) vs F.linear, per projection, at M = 64.
 * bfloat16 GEMM pass: all 12 layers' projections and the LM head (219 MB of distinct weights, so they
-  come from memory as in a step) at M = 1 ... 2048, the AMX kernel (cpu/amx.py) vs oneDNN-packed
-  weights; "speed" is oneDNN's time over the AMX kernel's. Needs an AMX CPU.
+  come from memory as in a step) at M = 1 ... 64, the layers alone at M = 128 ... 4096 (prefill sizes),
+  the AMX kernel (cpu/amx.py) vs oneDNN-packed weights; "speed" is oneDNN's time over the AMX kernel's.
+  Needs an AMX CPU.  `--groups "gemm pass"` runs these rows alone.
 * element-wise: the fused C ops (cpu/ops.py) vs the torch code they replace; the KV-cache write
   (cpu_ops.write_kv vs index_copy_) and the sampler's greedy pick (cpu_ops.argmax_rows on the logits \
 as they are vs argmax).
@@ -29,7 +30,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ from asyncengine.cpu import amx as cpu_amx
 from asyncengine.cpu import gemm as cpu_gemm
 from asyncengine.cpu import ops as cpu_ops
 from asyncengine.cpu.attention import load_kernel_library
+from asyncengine.cpu.malloc import keep_freed_memory
 from asyncengine.layers.activation import ActAndMul
 from asyncengine.layers.attention import AttentionMetadata
 from asyncengine.layers.attention_cpu import CpuAttentionBackend
@@ -145,20 +146,26 @@ def linear_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
 def gemm_pass_rows(repeat: int) -> list[list[Any]]:
     if not cpu_amx.available():
         return []
+    keep_freed_memory()  # as a CPU worker's malloc (cpu/malloc.py): outputs reuse freed memory
     shapes = [(768, 2304), (768, 768), (768, 4096), (2048, 768)] * 12 + [(768, 32000)]  # (in, out)
     weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for k, n in shapes]
     amx = [cpu_amx.pack(w) for w in weights]
-    with mock.patch.object(cpu_amx, "pack", lambda weight: None):
-        onednn = [cpu_gemm.prepack(w) for w in weights]
+    # oneDNN's own packed layout, called directly: cpu_gemm.prepack would hand an AMX-less bfloat16 weight
+    # to the AVX512-BF16 kernel (cpu/quant_gemm.py), which is not what this column compares against
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, cpu_gemm.BATCH_HINT) for w in weights]
     del weights
     mb = sum(p.numel() for p in amx) * 2 / 1e6
     rows = []
-    for m in (1, 8, 16, 32, 64, 128, 256, 2048):
+    for m in (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
         xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in (768, 2048)}
         reps = max(3, repeat // 6) if m <= 256 else 3
 
-        def run(packs: list[Any], xs: dict[int, torch.Tensor] = xs) -> None:
-            for (k, _), p in zip(shapes, packs, strict=True):
+        # from M = 128 on (prefill chunks) the 48 layer GEMMs only: a prefill runs the LM head on its sampled
+        # rows, and a [4096, 32000] output would measure page faults
+        last = len(shapes) if m <= 64 else len(shapes) - 1
+
+        def run(packs: list[Any], xs: dict[int, torch.Tensor] = xs, last: int = last) -> None:
+            for (k, _), p in zip(shapes[:last], packs[:last], strict=True):
                 cpu_gemm.linear(xs[k], p, None)
 
         # interleaved, the best of three rounds each: the weights' reads are what is measured
@@ -166,12 +173,15 @@ def gemm_pass_rows(repeat: int) -> list[list[Any]]:
         for _ in range(3):
             t_amx = min(t_amx, timeit(lambda i: run(amx), reps))
             t_dnn = min(t_dnn, timeit(lambda i: run(onednn), reps))
+        # weights GB/s where reading them bounds the pass (decode sizes), GFLOP/s where the tiles do
+        flops = 2 * m * sum(k * n for k, n in shapes[:last])
+        rate, what = (mb / t_amx / 1e3, f"{mb:.0f} MB; GB/s") if m <= 64 else (flops / t_amx / 1e9, "GFLOP/s")
         rows.append(
             [
-                "GEMM pass bfloat16",
-                f"AMX vs oneDNN, M={m} ({mb:.0f} MB)",
+                "GEMM pass bfloat16" if m <= 64 else "GEMM pass bfloat16, layers",
+                f"AMX vs oneDNN, M={m} ({what})",
                 t_amx * 1e3,
-                mb / t_amx / 1e3,
+                rate,
                 t_dnn / t_amx,
             ]
         )
@@ -236,12 +246,22 @@ def memory_rows(repeat: int) -> list[list[Any]]:
     return [["memory", "DRAM read: torch.sum over 1 GiB", t * 1e3, STREAM_BYTES / t / 1e9, None]]
 
 
+GROUPS = ("attention", "linear", "element-wise", "gemm pass", "memory")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=30)
     p.add_argument(
         "--layers", type=int, default=12, help="distinct KV caches the attention rows cycle through"
+    )
+    p.add_argument(
+        "--groups",
+        nargs="+",
+        choices=GROUPS,
+        default=list(GROUPS),
+        help="which rows to measure (default: all)",
     )
     p.add_argument("--out", type=Path, default=OUT / "cpu_kernels.json")
     args = p.parse_args(argv)
@@ -255,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         (d, kind) for d in (torch.float32, torch.bfloat16) for kind in ("attention", "linear", "element-wise")
     ]
     jobs += [(torch.bfloat16, "gemm pass"), (torch.float32, "memory")]
+    jobs = [(d, kind) for d, kind in jobs if kind in args.groups]
     for dtype, kind in tqdm(jobs, desc="cpu kernels", unit="group"):
         with torch.inference_mode():
             if kind == "attention":
