@@ -7,7 +7,9 @@
 2. decode tokens/s of the bench's medium Llama (~100M, hidden 768, 12 layers) at batch 1 and 16 as
    bfloat16, `--quantization int8` and a GPTQ int4 checkpoint (group 128, written here), each also with
    `--lm-head-quantization int8` ("+head": this model's 32000 x 768 head is 23% of its bfloat16 weight
-   bytes and over half of int4's), and int4 with `--lm-head-quantization int4` ("+head4"), each driven
+   bytes and over half of int4's), and int4 with `--lm-head-quantization int4` ("+head4"), and the bf16
+   checkpoint quantized at load by `--quantization int4 --lm-head-quantization int4` ("rtn4+head4":
+   round-to-nearest, group 32, float zero points), each driven
    through a ModelRunner (bench/gpu_check.py's loop on the CPU backend), with the resident bytes of the
    linear layers' weights and of the head per format.
 
@@ -186,6 +188,7 @@ def decode_rows(steps: int, repeats: int) -> list[list[object]]:
         "int8+head": (medium, "int8", "int8"),
         "int4+head": (int4, None, "int8"),
         "int4+head4": (int4, None, "int4"),
+        "rtn4+head4": (medium, "int4", "int4"),
     }
     sizes = {name: weight_bytes(*spec) for name, spec in formats.items()}
     rows: list[list[object]] = []
@@ -205,7 +208,7 @@ def decode_rows(steps: int, repeats: int) -> list[list[object]]:
     return rows
 
 
-FORMATS_X = ("int8", "int4", "int8+head", "int4+head", "int4+head4")
+FORMATS_X = ("int8", "int4", "int8+head", "int4+head", "int4+head4", "rtn4+head4")
 
 
 def main() -> int:

@@ -69,6 +69,8 @@ def load_library() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [_P, _P, _I, _I]
     lib.amx_linear_bf16.restype = _I
     lib.amx_linear_bf16.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I, _I]
+    lib.amx_linear_quant.restype = _I
+    lib.amx_linear_quant.argtypes = [_P, _L, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P, _L, _I, _I, _I]
     return lib if lib.amx_available() else None
 
 
@@ -132,3 +134,49 @@ def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None) -> tor
         raise MemoryError("AMX linear could not allocate its scratch rows")
     assert rc == 0, f"amx_linear_bf16 returned {rc}"
     return out.reshape(*lead, width)
+
+
+def linear_quant(
+    x: torch.Tensor,  # [T, in] bfloat16, unit stride along in
+    perm: torch.Tensor | None,  # [k_int] int64: the input column of each code column, -1 reads zero
+    data: torch.Tensor,  # csrc/quant_gemm.c's layout: [blocks, k_int / 8 or k_int / 4, 16, 4] uint8
+    scales: torch.Tensor,  # [blocks, G, 16] float32
+    zeros: torch.Tensor | None,  # [blocks, G, 16] float32
+    qtype: int,  # 0: 4-bit codes, 1: 8-bit
+    k_int: int,  # a multiple of 32
+    group_size: int,
+    out_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """[T, out] bfloat16 = x W^T + b for 4- / 8-bit codes: each 2-block group's codes dequantized once per
+    row block into bfloat16 tiles, w = bf16((code - zero) * scale), then multiplied on AMX (csrc/amx_gemm.c);
+    the activations are gathered into the codes' column order there (act-order, groups padded to whole
+    steps), so that a kernel graph replays one call. For prefill-sized T, where quant_gemm.c's VNNI kernel
+    is bound by its arithmetic."""
+    lib = load_library()
+    assert lib is not None, "called only where the AMX library loaded"
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    rc = lib.amx_linear_quant(
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[1],
+        perm.data_ptr() if perm is not None else None,
+        data.data_ptr(),
+        scales.data_ptr(),
+        zeros.data_ptr() if zeros is not None else None,
+        qtype,
+        k_int,
+        group_size,
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        out.stride(0),
+        x.shape[0],
+        out_features,
+        torch.get_num_threads(),
+    )
+    if rc == -2:
+        raise MemoryError("AMX quantized linear could not allocate its scratch tiles")
+    assert rc == 0, f"amx_linear_quant returned {rc}"
+    return out

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from asyncengine.cpu import amx
 from asyncengine.cpu.build import build_library
 
 SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
@@ -182,6 +183,24 @@ def pack_bf16(weight: torch.Tensor, portable: bool = False) -> QuantWeight | Non
     return QuantWeight(data, scales, None, None, QTYPE_BF16, n, k, k_int, k_int, portable)
 
 
+# From this many rows on, bfloat16 activations with 4- / 8-bit codes go to AMX where the CPU has it
+# (amx.linear_quant): the codes dequantized to bfloat16 tiles once per row block, against the VNNI kernel's
+# per-row arithmetic. Below it the VNNI kernel, which reads the codes once, is faster (bench/quant_gemm.py).
+# A row's output therefore depends on which side of this its batch falls, as it does not within either.
+AMX_MIN_ROWS = 32
+
+
+def uses_amx(weight: QuantWeight, dtype: torch.dtype) -> bool:
+    """Whether `linear` runs prefill-sized batches of `dtype` activations of this weight on AMX."""
+    return (
+        dtype == torch.bfloat16
+        and weight.qtype in (QTYPE_U4, QTYPE_U8)
+        and weight.k_int % amx.K_ALIGN == 0
+        and not weight.portable
+        and amx.available()
+    )
+
+
 def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """[..., in] float32 / bfloat16 -> [..., out] in x's dtype: x W^T + b, rounded once."""
     lib = load_library(weight.portable)
@@ -195,6 +214,20 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> t
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
     rows = x2.shape[0]
+    if rows >= AMX_MIN_ROWS and uses_amx(weight, x.dtype):
+        out = amx.linear_quant(
+            x2,
+            weight.perm,
+            weight.data,
+            weight.scales,
+            weight.zeros,
+            weight.qtype,
+            weight.k_int,
+            weight.group_size,
+            weight.out_features,
+            bias,
+        )
+        return out.reshape(*lead, weight.out_features)
     out = torch.empty(rows, weight.out_features, dtype=x.dtype)
     rc = lib.qgemm(
         x2.data_ptr(),

@@ -237,7 +237,7 @@ typedef struct {
     long steps, step;
 } BlockPrefetch;
 static inline void block_prefetch_step(BlockPrefetch *bp) {
-    if (!bp->base) return;
+    if (!bp || !bp->base) return;
     const long lines = (long)bp->nbn * bp->nk * 16, s = bp->step++;
     for (long l = lines * s / bp->steps; l < lines * (s + 1) / bp->steps; l++) {
         const long per_block = (long)bp->nk * 16;
@@ -253,6 +253,23 @@ static inline void chunk_products_bp(const RowChunk *ch, const uint16_t *b0, int
     for (int kb = kb0; kb < kb1; kb++) {
         block_prefetch_step(bp);
         chunk_products(ch, b0, kb, kb + 1, nbn, block_stride, NULL);
+    }
+}
+
+/* The large-M path's inner loop: each 32-row chunk of rows r0 .. r1 - 1 times K tiles k0 .. k1 - 1 of the
+ * group's blocks at b0, its accumulators parked in `spill` (1024 floats a chunk) between K blocks. */
+static inline void spilled_chunks(const uint16_t *x, long x_stride, const uint16_t *tail, int tail_row, int K,
+                                  int r0, int r1, float *spill, const uint16_t *b0, int k0, int k1, int nbn,
+                                  size_t block_stride, BlockPrefetch *bp) {
+    for (int c = 0; c < (r1 - r0 + 31) / 32; c++) {
+        const RowChunk ch = row_chunk(x, x_stride, tail, tail_row, K, r0 + 32 * c, r1);
+        float *sp = spill + (size_t)c * 1024;
+        if (k0 == 0)
+            zero_accs();
+        else
+            load_accs(sp);
+        chunk_products_bp(&ch, b0, k0, k1, nbn, block_stride, bp);
+        store_accs(sp);
     }
 }
 
@@ -372,17 +389,8 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                                                     block_stride,
                                                     (long)chunks * (k1 - k0),
                                                     0};
-                                for (int c = 0; c < chunks; c++) {
-                                    const RowChunk ch =
-                                        row_chunk(x, x_stride, tail, tail_row, K, r0 + 32 * c, r1);
-                                    float *sp = spill + (size_t)c * 1024;
-                                    if (k0 == 0)
-                                        zero_accs();
-                                    else
-                                        load_accs(sp);
-                                    chunk_products_bp(&ch, b0, k0, k1, nbn, block_stride, &bp);
-                                    store_accs(sp);
-                                }
+                                spilled_chunks(x, x_stride, tail, tail_row, K, r0, r1, spill, b0, k0, k1, nbn,
+                                               block_stride, &bp);
                             }
                             /* into the staging rows, flushed to out every STAGE_GROUPS groups: a row's
                              * columns of several groups then go out as one run of lines, not one line
@@ -440,6 +448,131 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
     return failed ? -2 : 0;
 }
 
+
+/* ---- 4- / 8-bit weight codes on AMX (prefill-sized M) ----
+ * The weights in csrc/quant_gemm.c's layout (16-row blocks of 64-byte steps; scales and zeros [blocks][G][16]
+ * float32; 4-bit: step p, row j, byte i = column 8p + i (low nibble) and 8p + 4 + i (high); 8-bit: byte i =
+ * column 4p + i), x already gathered to the codes' column order (act-order, group padding) as bfloat16.
+ * Per thread, per 2-block group and K block, the codes are dequantized once per row block into bfloat16
+ * B tiles, w = bf16((code - zero) * scale) (what a bfloat16 copy of the dequantized weight holds), which
+ * the row block's chunks then multiply on the tiles as amx_linear_bf16's large-M path does. At M = 1-16
+ * the VNNI kernel (quant_gemm.c), which reads the codes once and never widens them, stays faster. */
+#define QT_U4 0
+#define QT_U8 1
+
+/* Two float32 vectors (columns c, c + 1 of 16 rows) -> one B-tile row: (row n: c, c + 1) pairs, bfloat16. */
+static inline void store_pair(uint16_t *dst, __m512 even, __m512 odd) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                         22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* lanes 0-15 even, 16-31 odd */
+    _mm512_store_si512((__m512i *)dst, _mm512_permutexvar_epi16(idx, both));
+}
+
+/* K tile kb (columns 32 kb ..) of code block nb -> one bfloat16 B tile at dst (1 KiB, 64-byte aligned). */
+static void dequant_tile(const uint8_t *data, const float *scales, const float *zeros, int qtype, int k_int,
+                         int gs, int G, int nb, int kb, uint16_t *dst) {
+    const int per_step = qtype == QT_U4 ? 8 : 4, steps = 32 / per_step;
+    const uint8_t *blk = data + (size_t)nb * (k_int / per_step) * 64;
+    for (int s = 0; s < steps; s++) {
+        const int p = kb * steps + s, g = p * per_step / gs;
+        const __m512i dw = _mm512_loadu_si512((const void *)(blk + (size_t)p * 64));
+        const __m512 sc = _mm512_loadu_ps(scales + ((size_t)nb * G + g) * 16);
+        const __m512 z = zeros ? _mm512_loadu_ps(zeros + ((size_t)nb * G + g) * 16) : _mm512_setzero_ps();
+        __m512 v[8];
+        for (int o = 0; o < per_step; o++) {
+            const int shift = qtype == QT_U4 ? 8 * (o & 3) + 4 * (o >> 2) : 8 * o;
+            const __m512i code = _mm512_and_si512(_mm512_srli_epi32(dw, shift),
+                                                  _mm512_set1_epi32(qtype == QT_U4 ? 0xF : 0xFF));
+            v[o] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(code), z), sc);
+        }
+        for (int o = 0; o < per_step; o += 2)
+            store_pair(dst + (size_t)(s * per_step + o) / 2 * 32, v[o], v[o + 1]);
+    }
+}
+
+/* x [M, k_in] bfloat16 (row stride x_stride), codes as above for N outputs over k_int columns (a multiple
+ * of 32), perm [k_int] int64 (the input column of each code column, -1 or past k_in: zero) or NULL (column c
+ * reads input c below k_in), bias [N] or NULL, out [M, N]. Returns 0, -1 for an unsupported shape or
+ * type, -2 when scratch cannot be had. */
+int amx_linear_quant(const uint16_t *x, long x_stride, int k_in, const int64_t *perm, const uint8_t *data,
+                     const float *scales, const float *zeros, int qtype, int k_int, int gs,
+                     const uint16_t *bias, uint16_t *out, long out_stride, int M, int N, int num_threads) {
+    if ((qtype != QT_U4 && qtype != QT_U8) || k_int % 32 || k_int <= 0 || gs <= 0 || k_int % gs
+        || gs % (qtype == QT_U4 ? 8 : 4))
+        return -1;
+    if (M <= 0 || N <= 0) return 0;
+    const int NB = (N + 15) / 16, KB = k_int / 32, G = k_int / gs, groups = (NB + 1) / 2;
+    int failed = 0;
+    /* the activations in the codes' column order, once for both threads (act-order, padded groups) */
+    uint16_t *gathered = NULL;
+    if (perm || k_in != k_int) {
+        gathered = (uint16_t *)aligned_alloc(64, ((size_t)M * k_int * 2 + 63) / 64 * 64);
+        if (!gathered) return -2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int r = 0; r < M; r++)
+            for (int c = 0; c < k_int; c++) {
+                const int64_t src = perm ? perm[c] : c;
+                gathered[(size_t)r * k_int + c] = src >= 0 && src < k_in ? x[r * x_stride + src] : 0;
+            }
+        x = gathered;
+        x_stride = k_int;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int g_begin = (int)((long)groups * tid / nt), g_end = (int)((long)groups * (tid + 1) / nt);
+        float *spill = (float *)aligned_alloc(64, (size_t)(ROW_BLOCK / 32) * 1024 * sizeof(float));
+        /* the group's dequantized B tiles, laid out as a packed weight of 2 blocks (only [k0, k1) live) */
+        uint16_t *btiles = (uint16_t *)aligned_alloc(64, (size_t)2 * KB * TILE * 2);
+        uint16_t *tail = NULL;
+        const int tail_row = M > 16 && M % 16 ? M / 16 * 16 : -1;
+        if (tail_row >= 0 && g_begin < g_end) {
+            tail = (uint16_t *)calloc((size_t)16 * k_int, sizeof(uint16_t));
+            if (tail)
+                for (int r = tail_row; r < M; r++)
+                    memcpy(tail + (size_t)(r - tail_row) * k_int, x + r * x_stride, (size_t)k_int * 2);
+        }
+        if (!spill || !btiles || (tail_row >= 0 && g_begin < g_end && !tail)) {
+#pragma omp atomic write
+            failed = 1;
+        } else if (g_begin < g_end) {
+            configure_tiles(M < 16 ? M : 16);
+            for (int r0 = 0; r0 < M; r0 += ROW_BLOCK) {
+                const int r1 = M - r0 < ROW_BLOCK ? M : r0 + ROW_BLOCK;
+                const int chunks = (r1 - r0 + 31) / 32;
+                for (int g = g_begin; g < g_end; g++) {
+                    const int nb0 = g * 2, nbn = NB - nb0 < 2 ? NB - nb0 : 2;
+                    for (int k0 = 0; k0 < KB; k0 += KB_BLOCK) {
+                        const int k1 = KB - k0 < KB_BLOCK ? KB : k0 + KB_BLOCK;
+                        for (int j = 0; j < nbn; j++)
+                            for (int kb = k0; kb < k1; kb++)
+                                dequant_tile(data, scales, zeros, qtype, k_int, gs, G, nb0 + j, kb,
+                                             btiles + ((size_t)j * KB + kb) * TILE);
+                        spilled_chunks(x, x_stride, tail, tail_row, k_int, r0, r1, spill, btiles, k0, k1, nbn,
+                                       (size_t)KB * TILE, NULL);
+                    }
+                    const int n0 = nb0 * 16, cols = N - n0 < 32 ? N - n0 : 32;
+                    for (int c = 0; c < chunks; c++)
+                        for (int t = 0; t < 2; t++) {
+                            const int row = r0 + 32 * c + 16 * t;
+                            if (row >= r1) break;
+                            const int rows = r1 - row < 16 ? r1 - row : 16;
+                            const float *sp = spill + (size_t)c * 1024 + 512 * t;
+                            store_rows2(sp, sp + 256, rows, cols, out + (long)row * out_stride + n0,
+                                        out_stride, bias ? bias + n0 : NULL);
+                        }
+                }
+            }
+            _tile_release();
+        }
+        free(tail);
+        free(spill);
+        free(btiles);
+    }
+    free(gathered);
+    return failed ? -2 : 0;
+}
+
 #else /* no AMX in this build: callers keep oneDNN */
 int amx_available(void) { return 0; }
 /* clang-format off */
@@ -454,6 +587,13 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                     uint16_t *out, long out_stride, int M, int N, int K, int num_threads, int gated) {
     (void)x; (void)x_stride; (void)packed; (void)bias; (void)out; (void)out_stride; (void)M; (void)N; (void)K;
     (void)num_threads; (void)gated;
+    return -3;
+}
+int amx_linear_quant(const uint16_t *x, long x_stride, int k_in, const int64_t *perm, const uint8_t *data,
+                     const float *scales, const float *zeros, int qtype, int k_int, int gs, const uint16_t *bias,
+                     uint16_t *out, long out_stride, int M, int N, int num_threads) {
+    (void)x; (void)x_stride; (void)k_in; (void)perm; (void)data; (void)scales; (void)zeros; (void)qtype; (void)k_int; (void)gs;
+    (void)bias; (void)out; (void)out_stride; (void)M; (void)N; (void)num_threads;
     return -3;
 }
 /* clang-format on */

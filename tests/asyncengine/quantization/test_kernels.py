@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from asyncengine.cpu import amx as cpu_amx
 from asyncengine.cpu import quant_gemm
 from asyncengine.quantization import kernels
 from asyncengine.quantization.canonical import QTYPE_FP8, QTYPE_U4, QTYPE_U8, Canonical, build
@@ -54,12 +55,51 @@ def test_kernel_matches_the_dequantized_weight(portable, qtype, n, k, group, act
     expected = x @ dense.t() + bias
     got = quant_gemm.linear(x, weight, bias)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
-    # bfloat16 activations are widened exactly; the result is rounded once
+    # bfloat16 activations are widened exactly; the result is rounded once. Prefill-sized batches on AMX
+    # multiply the dequantized weight rounded to bfloat16, what a bfloat16 copy of it holds
     xb, bb = x.bfloat16(), bias.bfloat16()
-    expected_b = xb.float() @ dense.t() + bb.float()
+    on_amx = m >= quant_gemm.AMX_MIN_ROWS and quant_gemm.uses_amx(weight, torch.bfloat16)
+    expected_b = xb.float() @ (dense.bfloat16().float() if on_amx else dense).t() + bb.float()
     got_b = quant_gemm.linear(xb, weight, bb)
     assert got_b.dtype == torch.bfloat16
     torch.testing.assert_close(got_b.float(), expected_b, rtol=8e-3, atol=8e-3)
+
+
+needs_amx = pytest.mark.skipif(not cpu_amx.available(), reason="no AMX")
+
+
+@needs_amx
+@pytest.mark.parametrize(("qtype", "n", "k", "group", "act_order"), [c for c in CASES if c[0] != QTYPE_FP8])
+@pytest.mark.parametrize("m", [32, 45, 300])  # a partial row tile; row blocks of 256
+def test_amx_rows_multiply_the_bfloat16_weight(qtype, n, k, group, act_order, m) -> None:
+    """From AMX_MIN_ROWS rows on, bfloat16 activations go to AMX tiles of the dequantized weight rounded to
+    bfloat16: against that weight in float64, only the output's rounding (and float32 sums) differ. Groups
+    padded to whole steps and act-order permutations read the activations in the codes' order."""
+    canon = random_layer(qtype, n, k, group, act_order)
+    for int8_activations in (False, True):  # the AMX path takes either packing
+        weight = quant_gemm.pack(*canon_args(canon), int8_activations=int8_activations)
+        if weight.k_int % 32:
+            pytest.skip(f"K_int {weight.k_int} is not whole AMX tiles: the VNNI kernel keeps it")
+        assert quant_gemm.uses_amx(weight, torch.bfloat16)
+        assert not quant_gemm.uses_amx(weight, torch.float32)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        bias = torch.randn(n).bfloat16()
+        want = x.double() @ canon.dequantize_original().bfloat16().double().t() + bias.double()
+        got = quant_gemm.linear(x, weight, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        torch.testing.assert_close(got.double(), want, rtol=4e-3, atol=4e-3)
+
+
+@needs_amx
+def test_amx_rows_do_not_depend_on_the_batch_past_the_threshold() -> None:
+    """Within the AMX regime a row's output is summed in one fixed order: any batch of AMX_MIN_ROWS rows or
+    more gives it bit for bit (row blocks, partial tiles); below it the VNNI kernel decides."""
+    canon = random_layer(QTYPE_U4, 80, 128, 32, True)
+    weight = quant_gemm.pack(*canon_args(canon))
+    x = torch.randn(300, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
+    full = quant_gemm.linear(x, weight, None)
+    for lo, hi in ((0, 32), (7, 40), (250, 300), (1, 299)):
+        assert torch.equal(quant_gemm.linear(x[lo:hi], weight, None), full[lo:hi]), (lo, hi)
 
 
 def canon_args(canon: Canonical) -> tuple:
@@ -87,7 +127,8 @@ def int8_reference(x: torch.Tensor, weight: quant_gemm.QuantWeight, dense: torch
 
 @pytest.mark.skipif(not quant_gemm.native_int8(), reason="no AVX512-VNNI")
 @pytest.mark.parametrize(("qtype", "n", "k", "group", "act_order"), [c for c in CASES if c[0] != QTYPE_FP8])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 64])  # <= 2: three-block tiles; larger: four-row tiles
+# <= 2: three-block tiles; larger: four-row tiles (31: below AMX_MIN_ROWS, where an AMX CPU takes over)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 31])
 def test_int8_activations_match_their_reference(qtype, n, k, group, act_order, m) -> None:
     canon = random_layer(qtype, n, k, group, act_order)
     weight = quant_gemm.pack(*canon_args(canon), int8_activations=True)
@@ -139,9 +180,11 @@ def test_rows_do_not_depend_on_the_batch(qtype: int, dtype: torch.dtype, int8_ac
     int8 activations: M <= 2 three-block tiles, larger M four-row tiles two blocks wide)."""
     canon = random_layer(qtype, 80, 128, 32, True)
     weight = quant_gemm.pack(*canon_args(canon), int8_activations=int8_activations)
-    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
+    # 40 rows: past AMX_MIN_ROWS, which an AMX CPU runs on its tiles (the test below)
+    rows = 40 if not quant_gemm.uses_amx(weight, dtype) else quant_gemm.AMX_MIN_ROWS - 1
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
     full = quant_gemm.linear(x, weight, None)
-    for i in (0, 7, 39):
+    for i in (0, 7, rows - 1):
         assert torch.equal(quant_gemm.linear(x[i : i + 1], weight, None), full[i : i + 1])
     assert torch.equal(quant_gemm.linear(x[:3], weight, None), full[:3])
 
