@@ -4,7 +4,7 @@
 1. GEMMs: the fused int8 / int4 kernel (cpu/quant_gemm.py, bfloat16 activations) against the engine's
    bfloat16 GEMM (cpu/gemm.py: AMX tiles or oneDNN) and against dequantize-then-matmul (the PyTorch
    fallback), at M = 1, 16, 64, 256 for the medium model's layer shapes and a 7B-sized one;
-2. decode tokens/s of the bench's medium Llama (~100M, hidden 768, 12 layers) at batch 1 and 16 as
+2. decode tokens/s of the bench's medium Llama (~100M, hidden 768, 12 layers) at batch 1, 16 and 64 as
    bfloat16, `--quantization int8` and a GPTQ int4 checkpoint (group 128, written here), each also with
    `--lm-head-quantization int8` ("+head": this model's 32000 x 768 head is 23% of its bfloat16 weight
    bytes and over half of int4's), and int4 with `--lm-head-quantization int4` ("+head4"), and the bf16
@@ -192,7 +192,7 @@ def decode_rows(steps: int, repeats: int) -> list[list[object]]:
     }
     sizes = {name: weight_bytes(*spec) for name, spec in formats.items()}
     rows: list[list[object]] = []
-    for batch in (1, 16):
+    for batch in (1, 16, 64):  # 64: past quant_gemm.AMX_MIN_ROWS, the AMX path on a CPU with AMX
         tok_s = dict.fromkeys(formats, 0.0)
         for _ in range(repeats):
             for name, (path, q, h) in formats.items():
