@@ -231,13 +231,17 @@ class Scheduler:
         return self.proposer.propose(seq, min(limit, per_seq))
 
     def _may_run_ahead(self, seq: Sequence) -> bool:
-        """A sequence in flight may be scheduled again only for the token its running step samples,
-        and only if that token cannot be its last by length (no step for a token past the end)."""
+        """A sequence in flight may be scheduled again for the token its running step samples, if that
+        token cannot be its last by length (no step for a token past the end), or, while a chunk of its
+        prompt that samples nothing runs, for the next chunk: those tokens are known already, and the
+        worker runs steps in order, so the chunk attends over the one before. Without the second, a long
+        prompt's chunks went out every other step, each gap filled by a smaller batch."""
+        if not self.run_ahead or seq.grammar is not None or seq.num_inflight_steps != 1:
+            return False  # (a grammar's next mask needs the token this step samples)
+        if seq.num_pending_samples == 0:
+            return seq.num_uncomputed_tokens > 0
         return (
-            self.run_ahead
-            and seq.grammar is None  # its next mask needs the token this step samples
-            and seq.num_inflight_steps == 1
-            and seq.num_pending_samples == 1
+            seq.num_pending_samples == 1
             and seq.num_output_tokens + 1 < seq.max_tokens
             and seq.num_tokens + 1 < self.max_model_len
         )

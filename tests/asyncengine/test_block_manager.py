@@ -170,3 +170,25 @@ def test_run_ahead_schedules_a_decoding_sequence_before_its_token_is_known() -> 
     third = sched.schedule()  # the token of the third step would be the last (max_tokens=3) ...
     assert [n for _, n, _ in third.scheduled] == [1]
     assert sched.schedule().scheduled == []  # ... so nothing runs ahead of it
+
+
+def test_run_ahead_sends_a_prompts_next_chunk_while_the_last_one_runs() -> None:
+    """A chunk of a prompt samples nothing and the next chunk's tokens are known: it goes out in the next
+    step at once, not every other step; the last chunk samples, and the decode token runs ahead of it."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=4, max_model_len=64, run_ahead=True)
+    a = seq(list(range(10)), max_tokens=4)
+    sched.add(a)
+    steps = [sched.schedule() for _ in range(2)]
+    assert [[(n, s) for _, n, s in out.scheduled] for out in steps] == [[(4, False)], [(4, False)]]
+    assert sched.schedule().scheduled == []  # never two steps ahead
+    finish_step(sched, steps[0])
+    last = sched.schedule()  # the prompt's last 2 tokens: it samples
+    assert [(n, samples) for _, n, samples in last.scheduled] == [(2, True)]
+    finish_step(sched, steps[1])
+    decode = sched.schedule()  # runs ahead of the token the last chunk samples
+    assert [(n, samples) for _, n, samples in decode.scheduled] == [(1, True)]
+    finish_step(sched, last)
+    finish_step(sched, decode)
+    assert a.num_computed_tokens == 11 and a.num_output_tokens == 2
+    assert len(a.block_ids) == 3  # 12 tokens of 4 a block
