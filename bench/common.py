@@ -249,8 +249,11 @@ def wait_kv_prefault(kv_bytes: int, timeout: float = 120.0) -> float:
     """After an engine starts, its workers fault the CPU KV cache's pages in from a low-priority thread
     (asyncengine/cpu/prefault.py), as vLLM's zero-filled cache is before it serves; a timed run started at
     once would share the cores with that thread or take the faults itself. Waits until the workers'
-    resident memory covers `kv_bytes` or stops growing for 3 s (or `timeout`); returns the seconds
-    waited. A no-op where /proc is absent or ASYNCENGINE_CPU_KV_PREFAULT=0."""
+    resident memory covers `kv_bytes` and has stopped growing for 1 s, or stops growing for 3 s (or
+    `timeout`); returns the seconds waited. (Covering `kv_bytes` alone is not the end: the weights are
+    resident too, and stopping there left a quarter of a 2 GiB cache to fault in during the first timed
+    cell, the prefault thread taking CPU from its steps.) A no-op where /proc is absent or
+    ASYNCENGINE_CPU_KV_PREFAULT=0."""
     if os.environ.get("ASYNCENGINE_CPU_KV_PREFAULT", "1") == "0" or not Path("/proc/self/statm").exists():
         return 0.0
     t0 = last_change = time.monotonic()
@@ -258,11 +261,9 @@ def wait_kv_prefault(kv_bytes: int, timeout: float = 120.0) -> float:
     while time.monotonic() - t0 < timeout:
         time.sleep(0.5)
         now = worker_rss_bytes()
-        if now >= kv_bytes:
-            break
         if now > last + (1 << 20):
             last, last_change = now, time.monotonic()
-        elif time.monotonic() - last_change > 3.0:
+        elif time.monotonic() - last_change > (1.0 if now >= kv_bytes else 3.0):
             break
     return time.monotonic() - t0
 
