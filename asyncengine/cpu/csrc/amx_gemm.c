@@ -181,6 +181,17 @@ static inline RowChunk row_chunk(const uint16_t *x, long x_stride, const uint16_
                       m0 == tail_row ? K : x_stride, m0 + 16 == tail_row ? K : x_stride, m0 + 16 < r1};
 }
 
+/* The last 16-row tile of x when M > 16 is not a multiple of 16 (its first row; -1: none) ... */
+static inline int tail_row_of(int M) { return M > 16 && M % 16 ? M / 16 * 16 : -1; }
+/* ... copied and zero-padded to 16 rows of K (row stride K), or NULL when it cannot be allocated. */
+static uint16_t *copy_tail(const uint16_t *x, long x_stride, int tail_row, int M, int K) {
+    uint16_t *tail = (uint16_t *)calloc((size_t)16 * K, sizeof(uint16_t));
+    if (tail)
+        for (int r = tail_row; r < M; r++)
+            memcpy(tail + (size_t)(r - tail_row) * K, x + r * x_stride, (size_t)K * 2);
+    return tail;
+}
+
 /* The next group's weights prefetched into L2, `tiles` of them spread evenly over `steps` calls of
  * prefetch_step (Bresenham); `next` NULL: none. */
 typedef struct {
@@ -309,18 +320,11 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
             M >= LARGE_M ? (float *)aligned_alloc(64, (size_t)(ROW_BLOCK / 32) * 1024 * sizeof(float)) : NULL;
         uint16_t *stage =
             M >= LARGE_M ? (uint16_t *)aligned_alloc(64, (size_t)ROW_BLOCK * STAGE_GROUPS * 32 * 2) : NULL;
-        /* the last 16-row tile of x when M > 16 is not a multiple of 16: copied, zero-padded */
-        uint16_t *tail = NULL;
-        const int tail_row = M > 16 && M % 16 ? M / 16 * 16 : -1;
-        if (tail_row >= 0 && g_begin < g_end) {
-            tail = (uint16_t *)calloc((size_t)16 * K, sizeof(uint16_t));
-            if (tail)
-                for (int r = tail_row; r < M; r++)
-                    memcpy(tail + (size_t)(r - tail_row) * K, x + r * x_stride, (size_t)K * 2);
-            else {
+        const int tail_row = tail_row_of(M);
+        uint16_t *tail = tail_row >= 0 && g_begin < g_end ? copy_tail(x, x_stride, tail_row, M, K) : NULL;
+        if (tail_row >= 0 && g_begin < g_end && !tail) {
 #pragma omp atomic write
-                failed = 1;
-            }
+            failed = 1;
         }
         if (g_begin < g_end && (tail_row < 0 || tail)) {
             configure_tiles(M < 16 ? M : 16);
@@ -524,14 +528,8 @@ int amx_linear_quant(const uint16_t *x, long x_stride, int k_in, const int64_t *
         float *spill = (float *)aligned_alloc(64, (size_t)(ROW_BLOCK / 32) * 1024 * sizeof(float));
         /* the group's dequantized B tiles, laid out as a packed weight of 2 blocks (only [k0, k1) live) */
         uint16_t *btiles = (uint16_t *)aligned_alloc(64, (size_t)2 * KB * TILE * 2);
-        uint16_t *tail = NULL;
-        const int tail_row = M > 16 && M % 16 ? M / 16 * 16 : -1;
-        if (tail_row >= 0 && g_begin < g_end) {
-            tail = (uint16_t *)calloc((size_t)16 * k_int, sizeof(uint16_t));
-            if (tail)
-                for (int r = tail_row; r < M; r++)
-                    memcpy(tail + (size_t)(r - tail_row) * k_int, x + r * x_stride, (size_t)k_int * 2);
-        }
+        const int tail_row = tail_row_of(M);
+        uint16_t *tail = tail_row >= 0 && g_begin < g_end ? copy_tail(x, x_stride, tail_row, M, k_int) : NULL;
         if (!spill || !btiles || (tail_row >= 0 && g_begin < g_end && !tail)) {
 #pragma omp atomic write
             failed = 1;
