@@ -1,8 +1,11 @@
 #!/usr/bin/env python
-"""bfloat16 prompt attention on a CPU without AMX: csrc/bf16_attention.c (AVX512-BF16) against torch's SDPA.
+"""bfloat16 prompt attention against torch's SDPA: csrc/bf16_attention.c (AVX512-BF16, for CPUs without
+AMX) or csrc/amx_attention.c (AMX tiles).
 
     python bench/prompt_attention.py                 # kernel GF/s, then the end-to-end prefill A/B
     python bench/prompt_attention.py --no-e2e        # kernel rows only
+    python bench/prompt_attention.py --kernel amx    # the AMX kernel's rows (no end-to-end A/B: the
+                                                     # engine has no switch for AMX attention alone)
 
 Kernel rows: one causal prompt of L tokens, 12 heads x head_dim 64 (the bench's medium model), --threads
 threads; GF/s count the causal half only (2 products x 2 flops x H x D x L (L + 1) / 2), the same for
@@ -28,6 +31,7 @@ from pathlib import Path
 import torch
 
 import asyncengine  # noqa: F401  (the installed package first)
+from asyncengine.cpu.attention import amx_prompt_attention, load_amx_library
 from asyncengine.cpu.bf16_attention import ENV, bf16_prompt_attention, load_library
 from asyncengine.layers.attention_torch import causal_attention
 
@@ -45,7 +49,10 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
-def time_case(lens: list[int], heads: int, dim: int, repeat: int) -> tuple[float, float]:
+KERNELS = {"bf16": (bf16_prompt_attention, load_library), "amx": (amx_prompt_attention, load_amx_library)}
+
+
+def time_case(lens: list[int], heads: int, dim: int, repeat: int, which: str = "bf16") -> tuple[float, float]:
     """(SDPA, kernel) seconds for causal prompts of `lens` tokens: one kernel call, one SDPA call each."""
     torch.manual_seed(0)
     scale, t = dim**-0.5, sum(lens)
@@ -57,7 +64,7 @@ def time_case(lens: list[int], heads: int, dim: int, repeat: int) -> tuple[float
         start += n
 
     def kernel() -> None:
-        assert bf16_prompt_attention(q, k, v, out, seqs, scale, None)
+        assert KERNELS[which][0](q, k, v, out, seqs, scale, None)
 
     def sdpa() -> None:
         for s, n, _, _ in seqs:
@@ -70,13 +77,13 @@ def time_case(lens: list[int], heads: int, dim: int, repeat: int) -> tuple[float
     return ts, tk
 
 
-def kernel_rows(threads: int, repeat: int) -> list[list[object]]:
+def kernel_rows(threads: int, repeat: int, which: str = "bf16") -> list[list[object]]:
     torch.set_num_threads(threads)
     heads, dim = 12, 64
     cases = [[n] for n in (256, 512, 1024, 2048)] + [[512, 1024, 1536, 2048], [256] * 8]
     rows = []
     for lens in cases:
-        ts, tk = time_case(lens, heads, dim, repeat)
+        ts, tk = time_case(lens, heads, dim, repeat, which)
         flops = sum(2 * 2 * heads * dim * n * (n + 1) / 2 for n in lens)
         name = f"L={lens[0]}" if len(lens) == 1 else "step " + "+".join(map(str, lens))
         rows.append([name, ts * 1e3, tk * 1e3, flops / ts / 1e9, flops / tk / 1e9, ts / tk])
@@ -137,14 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="end-to-end runs per path, alternated")
     p.add_argument("--kv-gib", type=float, default=2.0, help="KV cache of each of the two engines")
     p.add_argument("--no-e2e", action="store_true")
+    p.add_argument("--kernel", choices=sorted(KERNELS), default="bf16")
     args = p.parse_args(argv)
-    if load_library() is None:
-        print("no AVX512-BF16 on this CPU (or no C compiler): nothing to compare")
+    if KERNELS[args.kernel][1]() is None:
+        print(f"no {'AMX-BF16' if args.kernel == 'amx' else 'AVX512-BF16'} on this CPU (or no C compiler)")
         return 1
-    print(f"bfloat16 causal prompt attention, 12 heads x 64, {args.threads} threads")
+    print(f"bfloat16 causal prompt attention ({args.kernel} kernel), 12 heads x 64, {args.threads} threads")
     headers = ["prompts", "SDPA ms", "kernel ms", "SDPA GF/s", "kernel GF/s", "speed-up"]
-    print(table(headers, kernel_rows(args.threads, args.repeat)))
-    if not args.no_e2e:
+    print(table(headers, kernel_rows(args.threads, args.repeat, args.kernel)))
+    if not args.no_e2e and args.kernel == "bf16":
         print(
             f"\nprefill-only, p512-2048 (64 prompts, max_tokens=1), medium4k bfloat16, {args.threads} threads"
         )

@@ -219,7 +219,7 @@ int bf16_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, lon
     }
     /* clang-format off */
     const Call c = {q, k, v, out, q_stride, k_stride, v_stride, out_stride, seqs, tables, table_stride,
-                    block_size, H, Hkv, D, window, 0, scale};
+                    block_size, H, Hkv, D, window, scale};
     /* clang-format on */
     const int group = H / Hkv;
 #pragma omp parallel num_threads(num_threads)
@@ -227,7 +227,8 @@ int bf16_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, lon
         if (p.fused) {
 #pragma omp for schedule(dynamic, 1)
             for (long i = 0; i < p.n_work; i++) {
-                const int s = p.work[i].index / Hkv, g = p.work[i].index % Hkv, tiles = (seqs[4 * s + 1] + QT - 1) / QT;
+                const int s = p.work[i].index / Hkv, g = p.work[i].index % Hkv,
+                          tiles = (seqs[4 * s + 1] + QT - 1) / QT;
                 const UnitTiles u = unit_tiles(p.kv, p.base, seqs, s, g, D);
                 pack_kv(&c, s, g, u.k, u.v);
                 for (int h = g * group; h < (g + 1) * group; h++)

@@ -75,6 +75,21 @@ static inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n); /* p * 2^n */
 }
+
+/* 2^x, 16 lanes, for x <= ~0 (a softmax's exponents, already in base 2 and shifted by the row maximum):
+ * a degree-5 polynomial on [-1/2, 1/2] fitted for relative error (2.4e-7 at most, a few ulp), 8
+ * instructions against exp512's 15 (no clamping, no change of base); 0 below -149. */
+static inline __m512 exp2_512(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.327647129073739e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.675541892647743e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550713092088699e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402212023735046e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931469440460205e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.000000119209290f));
+    return _mm512_scalef_ps(p, n);
+}
 #endif
 
 #endif

@@ -55,7 +55,7 @@ typedef struct {
      * j % block_size */
     const int *tables;
     int table_stride, block_size;
-    int H, Hkv, D, window, ld; /* ld: the AMX kernel's scratch rows' length in keys */
+    int H, Hkv, D, window;
     float scale;
 } Call;
 
@@ -92,11 +92,11 @@ static int by_cost_desc(const void *a, const void *b) {
  * (one long prompt, few KV heads) every unit is packed first and the (head, query tile) items are shared
  * out, costliest first. */
 typedef struct {
-    uint16_t *kv;  /* the packed K / V of every unit (the calling thread's buffer, kept between calls) */
-    size_t *base;  /* [num_seqs + 1]: where each sequence's units start in kv */
-    Ranked *work;  /* units (fused) or (query tile, head) items, costliest first */
+    uint16_t *kv; /* the packed K / V of every unit (the calling thread's buffer, kept between calls) */
+    size_t *base; /* [num_seqs + 1]: where each sequence's units start in kv */
+    Ranked *work; /* units (fused) or (query tile, head) items, costliest first */
     long n_work;
-    int fused, units, max_kv;
+    int fused, units;
 } Plan;
 
 /* The plan for a call with query tiles of `qt` rows: 0, 1 when there is nothing to do, -1 for an
@@ -108,7 +108,6 @@ static int plan_work(const int *seqs, int num_seqs, int H, int Hkv, int D, int q
     for (int s = 0; s < num_seqs; s++) {
         const int q_len = seqs[4 * s + 1], kv_len = seqs[4 * s + 3];
         if (q_len < 0 || q_len > kv_len) return -1;
-        p->max_kv = kv_len > p->max_kv ? kv_len : p->max_kv;
         packed += Hkv * unit_size(kv_len, D);
         items += (size_t)H * ((q_len + qt - 1) / qt);
     }
@@ -142,7 +141,8 @@ static int plan_work(const int *seqs, int num_seqs, int H, int Hkv, int D, int q
         } else {
             for (int t = 0; t < tiles; t++)
                 for (int h = 0; h < H; h++)
-                    p->work[n++] = (Ranked){kv_len - q_len + (long)qt * t + qt, (int)((tiles_before + t) * H + h)};
+                    p->work[n++] =
+                        (Ranked){kv_len - q_len + (long)qt * t + qt, (int)((tiles_before + t) * H + h)};
         }
         tiles_before += tiles;
     }

@@ -33,13 +33,14 @@ def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None)
 @pytest.mark.parametrize(
     "heads,head_dim", [((4, 4), 64), ((8, 2), 128), ((6, 1), 32), ((2, 2), 256), ((4, 2), 96)]
 )
-@pytest.mark.parametrize("window", [None, 7, 40])
+@pytest.mark.parametrize("window", [None, 7, 40, 150])
 @pytest.mark.parametrize(
     "lens",
     [
         [(1, 1), (15, 15), (16, 16), (17, 17), (100, 100)],  # fresh prompts around the 16-row tiles
         [(33, 33), (300, 300)],
         [(20, 50), (16, 97), (1, 64)],  # chunks after cached context (the gathered path)
+        [(300, 700), (40, 300)],  # many key blocks: the online softmax's rescaling, windows across blocks
     ],
 )
 def test_matches_sdpa_and_is_as_accurate(heads, head_dim, window, lens) -> None:
