@@ -116,6 +116,8 @@ static inline float row_exp(const float *sr, uint16_t *pr, int b0, int b1, int l
 /* Query rows per work item: two 16-row A tiles, so that every K and V tile loaded (1 KiB, from L2) feeds two
  * products instead of one (~5% faster than 16 rows at 256-2048-token prompts). */
 #define QT 32
+static inline int min_int(int a, int b) { return a < b ? a : b; }
+
 /* Keys per softmax block. Two blocks' scores (2 x 16 KiB) and probabilities (2 x 8 KiB) stay near L1: the
  * products of the blocks before and after run on the tiles while the block between them is softmaxed. */
 #define KEY_BLOCK 128
@@ -235,9 +237,8 @@ static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, con
     float m[QT], l[QT], alpha[QT], alpha_prev[QT];
     for (int r = 0; r < QT; r++) m[r] = -INFINITY, l[r] = 0.0f;
     int moved_prev = 0;
-    ScoreWork sw = {qa,     kt,     w->S,    qs,
-                    D / 32, halves, ka / 16, (kend32 - ka < KEY_BLOCK ? kend16 : ka + KEY_BLOCK) / 16,
-                    ka / 16};
+    /* a block's scores cover its keys below kend16 (past it the keys are masked: none are computed) */
+    ScoreWork sw = {qa, kt, w->S, qs, D / 32, halves, ka / 16, min_int(ka + KEY_BLOCK, kend16) / 16, ka / 16};
     while (sw.next < sw.kb1) score_step(&sw); /* the first block's scores, before anything overlaps */
     OutputWork ow = {0};
     for (int i = 0, b0 = ka; b0 < kend32; i++, b0 += KEY_BLOCK) {
@@ -245,9 +246,9 @@ static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, con
         float *S = w->S + (i & 1) * QT * KEY_BLOCK;
         uint16_t *P = w->P + (i & 1) * QT * KEY_BLOCK;
         /* the next block's scores, into the other buffer */
-        const int n0 = b1, n1 = kend32 - n0 < KEY_BLOCK ? kend16 : n0 + KEY_BLOCK;
-        sw = (ScoreWork){qa,     kt,      w->S + ((i + 1) & 1) * QT * KEY_BLOCK, qs,     D / 32,
-                         halves, n0 / 16, n0 < kend32 ? n1 / 16 : n0 / 16,       n0 / 16};
+        const int n0 = b1, n1 = n0 < kend16 ? min_int(n0 + KEY_BLOCK, kend16) : n0;
+        sw = (ScoreWork){qa,      kt,     w->S + ((i + 1) & 1) * QT * KEY_BLOCK, qs, D / 32, halves, n0 / 16,
+                         n1 / 16, n0 / 16};
         /* the block before's P V goes on O scaled by that block's alpha, the one before it being in */
         if (moved_prev) scale_rows(O, D, nr, alpha_prev);
         float bm[QT];
