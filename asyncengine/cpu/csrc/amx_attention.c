@@ -34,6 +34,8 @@
 
 #define MAX_HEAD_DIM 256
 
+static inline int min_int(int a, int b) { return a < b ? a : b; }
+
 int amx_attention_available(void) { return request_tiles(); }
 
 /* Sequence s, KV head g: its keys and values into B tiles kt / vt, zero past its length. */
@@ -116,7 +118,6 @@ static inline float row_exp(const float *sr, uint16_t *pr, int b0, int b1, int l
 /* Query rows per work item: two 16-row A tiles, so that every K and V tile loaded (1 KiB, from L2) feeds two
  * products instead of one (~5% faster than 16 rows at 256-2048-token prompts). */
 #define QT 32
-static inline int min_int(int a, int b) { return a < b ? a : b; }
 
 /* Keys per softmax block. Two blocks' scores (2 x 16 KiB) and probabilities (2 x 8 KiB) stay near L1: the
  * products of the blocks before and after run on the tiles while the block between them is softmaxed. */
