@@ -179,13 +179,18 @@ def write_gguf_f32(model_dir: Path, dst: Path) -> Path:
     return dst
 
 
+class ToolCrashed(RuntimeError):
+    """A llama.cpp tool killed by a signal (a negative exit status)."""
+
+
 def run_tool(cmd: list[str], log: Path, timeout_s: float = 900) -> str:
     """Runs a llama.cpp tool to completion (its whole process group killed on any error); its output."""
     with started(cmd, log=log) as proc:
         rc = proc.wait(timeout_s)
     text = log.read_text(errors="replace")
     if rc != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited with {rc}; see {log}:\n{text[-2000:]}")
+        error = ToolCrashed if rc < 0 else RuntimeError
+        raise error(f"{' '.join(cmd)} exited with {rc}; see {log}:\n{text[-2000:]}")
     return text
 
 
@@ -282,7 +287,17 @@ def batched_bench(path: Path, threads: int, steps: int, repeats: int, quiet_s: f
         for _ in range(repeats):
             out["idle_before"].setdefault(b, []).append(round(wait_quiet(quiet_s), 2))
             for _attempt in range(3):  # its log thread now and then loses the last line at exit: rerun
-                text = run_tool(cmd, log)
+                try:
+                    text = run_tool(cmd, log)
+                except ToolCrashed:
+                    # llama.cpp 0c1e570's repacked weights (its AMX path on a CPU with AMX) segfault on
+                    # Q8_0 for this model: rerun without repacking (-nr), and say so in the output
+                    if "-nr" in cmd:
+                        raise
+                    cmd = [*cmd, "-nr"]
+                    out.setdefault("no_repack", []).append(b)
+                    print(f"llama.cpp crashed on {path.name} at batch {b}: rerun with -nr (no repacking)")
+                    text = run_tool(cmd, log)
                 rows = [json.loads(ln) for ln in text.splitlines() if ln.startswith('{"n_kv_max"')]
                 if rows:
                     break
@@ -358,7 +373,11 @@ def llamacpp_greedy(lib: Any, path: Path, prompt: list[int], n: int, threads: in
     """llama.cpp: n greedy tokens (argmax of the logits) and the first step's logits."""
     import numpy as np
 
-    model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
+    model_params = lib.llama_model_default_params()
+    # no weight repacking: this llama.cpp's repacked Q8_0 / Q4_0 (its AMX path) segfaults on this model on an
+    # AMX CPU, in this process too (the check's tokens do not depend on it)
+    model_params.use_extra_bufts = False
+    model = lib.llama_model_load_from_file(str(path).encode(), model_params)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}")
     params = lib.llama_context_default_params()
@@ -497,7 +516,7 @@ def main() -> int:
     print(table(headers, rows))
     lrows = [
         [
-            name,
+            name + (" (-nr)" if r.get("no_repack") else ""),  # run without weight repacking (see above)
             r["gguf"]["types"].get("linear"),
             r["gguf"]["types"].get("output"),
             *(r["tok_s"][b] for b in BATCHES),
