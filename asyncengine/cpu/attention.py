@@ -150,7 +150,8 @@ def amx_prompt_attention(
     tables: torch.Tensor | None = None,  # [num_seqs, max_blocks] int32: k / v are [num_blocks, block, Hkv, D]
 ) -> bool:
     """Causal attention of prompt chunks on AMX, all of `seqs` in one call; False where the kernel does not
-    apply (no AMX, another dtype, head_dim not a multiple of 32 or over 256), and nothing is written.
+    apply (no AMX, another dtype, head_dim not a multiple of 32 or over 256, a scale not above 0), and
+    nothing is written.
 
     With `tables`, each sequence's keys are read in place from the paged cache k / v through its block
     table, and a sequence's third field is the row of `tables` that holds that table."""
@@ -163,6 +164,7 @@ def amx_prompt_attention(
         or head_dim % 32
         or head_dim > 256
         or q.device.type != "cpu"
+        or not scale > 0  # the kernel takes each row's maximum before scaling (models' scales are > 0)
     ):
         return False
     lib = load_amx_library()

@@ -103,6 +103,8 @@ def test_declines_what_it_does_not_cover() -> None:
     assert not amx_prompt_attention(q, q, q, torch.empty_like(q), [(0, 8, 0, 8)], 0.1, None)
     q32 = torch.randn(8, 2, 64)  # float32: torch's SDPA keeps it
     assert not amx_prompt_attention(q32, q32, q32, torch.empty_like(q32), [(0, 8, 0, 8)], 0.1, None)
+    q64 = torch.randn(8, 2, 64).to(torch.bfloat16)  # a negative scale: the row maxima would be minima
+    assert not amx_prompt_attention(q64, q64, q64, torch.empty_like(q64), [(0, 8, 0, 8)], -0.1, None)
 
 
 @pytest.mark.parametrize("query_lens,context_lens", [([40, 1, 23], [0, 30, 0]), ([20, 17], [16, 50])])
