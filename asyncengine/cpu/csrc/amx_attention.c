@@ -144,6 +144,14 @@ typedef struct {
     int DB32, halves, kb0, kb1, next;
 } ScoreWork;
 
+/* The scores of the key block from key k0 (a multiple of 32) into S: its 16-key blocks below kend16 (past it
+ * every key is masked, so none are computed; none at all from kend16 on). */
+static inline ScoreWork score_work(const uint16_t *q, long q_stride, const uint16_t *kt, float *S, int D,
+                                   int halves, int k0, int kend16) {
+    const int k1 = k0 < kend16 ? min_int(k0 + KEY_BLOCK, kend16) : k0;
+    return (ScoreWork){q, kt, S, q_stride, D / 32, halves, k0 / 16, k1 / 16, k0 / 16};
+}
+
 static inline void score_step(ScoreWork *w) {
     const int kb = w->next++;
     _tile_zero(0);
@@ -222,7 +230,7 @@ static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, con
     const int r0 = QT * t, nr = q_len - r0 < QT ? q_len - r0 : QT, halves = (nr + 15) / 16,
               rows = 16 * halves;
     const int pos0 = kv_len - q_len + r0, end = pos0 + nr; /* keys 0 .. end - 1 at most */
-    const int first = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+    const int first = first_key(pos0, window);
     const int ka = first / 32 * 32, kend16 = ceil_to(end, 16), kend32 = ceil_to(end, 32);
     /* the query rows: in place, or zero-padded to whole 16-row tiles */
     const uint16_t *qa = c->q + (long)(q_row + r0) * c->q_stride + h * D;
@@ -238,8 +246,7 @@ static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, con
     float m[QT], l[QT], alpha[QT], alpha_prev[QT];
     for (int r = 0; r < QT; r++) m[r] = -INFINITY, l[r] = 0.0f;
     int moved_prev = 0;
-    /* a block's scores cover its keys below kend16 (past it the keys are masked: none are computed) */
-    ScoreWork sw = {qa, kt, w->S, qs, D / 32, halves, ka / 16, min_int(ka + KEY_BLOCK, kend16) / 16, ka / 16};
+    ScoreWork sw = score_work(qa, qs, kt, w->S, D, halves, ka, kend16);
     while (sw.next < sw.kb1) score_step(&sw); /* the first block's scores, before anything overlaps */
     OutputWork ow = {0};
     for (int i = 0, b0 = ka; b0 < kend32; i++, b0 += KEY_BLOCK) {
@@ -247,14 +254,12 @@ static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, con
         float *S = w->S + (i & 1) * QT * KEY_BLOCK;
         uint16_t *P = w->P + (i & 1) * QT * KEY_BLOCK;
         /* the next block's scores, into the other buffer */
-        const int n0 = b1, n1 = n0 < kend16 ? min_int(n0 + KEY_BLOCK, kend16) : n0;
-        sw = (ScoreWork){qa,      kt,     w->S + ((i + 1) & 1) * QT * KEY_BLOCK, qs, D / 32, halves, n0 / 16,
-                         n1 / 16, n0 / 16};
+        sw = score_work(qa, qs, kt, w->S + ((i + 1) & 1) * QT * KEY_BLOCK, D, halves, b1, kend16);
         /* the block before's P V goes on O scaled by that block's alpha, the one before it being in */
         if (moved_prev) scale_rows(O, D, nr, alpha_prev);
         float bm[QT];
         for (int r = 0; r < rows; r++) {
-            const int pos = pos0 + r, lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+            const int pos = pos0 + r, lo = first_key(pos, window);
             bm[r] = r >= nr                     ? -INFINITY
                     : lo <= b0 && pos >= b1 - 1 ? row_max(S + r * KEY_BLOCK, b0, b1, lo, pos, 1)
                                                 : row_max(S + r * KEY_BLOCK, b0, b1, lo, pos, 0);
@@ -276,7 +281,7 @@ static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, con
             if (bm[r] == -INFINITY) { /* no key of this block for the row */
                 memset(pr, 0, sizeof(uint16_t) * (b1 - b0));
             } else {
-                const int pos = pos0 + r, lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                const int pos = pos0 + r, lo = first_key(pos, window);
                 const __m512 mv = _mm512_set1_ps(m[r]);
                 const float sum = lo <= b0 && pos >= b1 - 1
                                       ? row_exp(S + r * KEY_BLOCK, pr, b0, b1, lo, pos, c2v, mv, 1)

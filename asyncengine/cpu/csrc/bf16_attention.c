@@ -123,7 +123,7 @@ static void query_tile(const Call *c, int s, int h, int t, const uint16_t *kt, c
     const int q_row = c->seqs[4 * s], q_len = c->seqs[4 * s + 1], kv_len = c->seqs[4 * s + 3];
     const int r0 = QT * t, nr = q_len - r0 < QT ? q_len - r0 : QT, groups = (nr + RG - 1) / RG;
     const int pos0 = kv_len - q_len + r0, end = pos0 + nr; /* keys 0 .. end - 1 at most */
-    const int first = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+    const int first = first_key(pos0, window);
     _Alignas(64) uint16_t Q[QT * MAX_HEAD_DIM], P[QT * BK];
     _Alignas(64) float S[QT * BK], O[QT * MAX_HEAD_DIM];
     float m[QT], l[QT], alpha[QT];
@@ -155,7 +155,7 @@ static void query_tile(const Call *c, int s, int h, int t, const uint16_t *kt, c
         for (int r = 0; r < groups * RG; r++) {
             uint16_t *pr = P + r * BK;
             const float *sr = S + r * BK;
-            const int pos = pos0 + r, lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+            const int pos = pos0 + r, lo = first_key(pos, window);
             __m512 mx = _mm512_set1_ps(-INFINITY);
             if (r < nr)
                 for (int n = 0; n < nb; n++) {

@@ -12,6 +12,11 @@
 
 static inline int ceil_to(int n, int m) { return (n + m - 1) / m * m; }
 
+/* The first key a query at position pos sees: 0, or with a sliding window W > 0, pos - W + 1. */
+static inline int first_key(int pos, int window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
 /* Lanes l of keys j .. j + 15 with lo <= j + l <= pos. */
 static inline __mmask16 valid_keys(int j, int lo, int pos) {
     const int a = lo - j > 0 ? lo - j : 0, b = pos - j + 1 < 16 ? pos - j + 1 : 16;
