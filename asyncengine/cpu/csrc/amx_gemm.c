@@ -258,12 +258,18 @@ static inline void block_prefetch_step(BlockPrefetch *bp) {
     }
 }
 
-/* chunk_products with a BlockPrefetch step per K step */
+/* The quantized path's next K block, dequantized while the current one's tile products run (below). */
+typedef struct DequantAhead DequantAhead;
+static inline void dequant_step(DequantAhead *da);
+
+/* chunk_products with a BlockPrefetch step and a DequantAhead step (either NULL: none) per K step; the
+ * step's tile products are issued first, so that the vector work runs while the tiles compute. */
 static inline void chunk_products_bp(const RowChunk *ch, const uint16_t *b0, int kb0, int kb1, int nbn,
-                                     size_t block_stride, BlockPrefetch *bp) {
+                                     size_t block_stride, BlockPrefetch *bp, DequantAhead *da) {
     for (int kb = kb0; kb < kb1; kb++) {
         block_prefetch_step(bp);
         chunk_products(ch, b0, kb, kb + 1, nbn, block_stride, NULL);
+        if (da) dequant_step(da);
     }
 }
 
@@ -271,7 +277,7 @@ static inline void chunk_products_bp(const RowChunk *ch, const uint16_t *b0, int
  * group's blocks at b0, its accumulators parked in `spill` (1024 floats a chunk) between K blocks. */
 static inline void spilled_chunks(const uint16_t *x, long x_stride, const uint16_t *tail, int tail_row, int K,
                                   int r0, int r1, float *spill, const uint16_t *b0, int k0, int k1, int nbn,
-                                  size_t block_stride, BlockPrefetch *bp) {
+                                  size_t block_stride, BlockPrefetch *bp, DequantAhead *da) {
     for (int c = 0; c < (r1 - r0 + 31) / 32; c++) {
         const RowChunk ch = row_chunk(x, x_stride, tail, tail_row, K, r0 + 32 * c, r1);
         float *sp = spill + (size_t)c * 1024;
@@ -279,7 +285,7 @@ static inline void spilled_chunks(const uint16_t *x, long x_stride, const uint16
             zero_accs();
         else
             load_accs(sp);
-        chunk_products_bp(&ch, b0, k0, k1, nbn, block_stride, bp);
+        chunk_products_bp(&ch, b0, k0, k1, nbn, block_stride, bp, da);
         store_accs(sp);
     }
 }
@@ -394,7 +400,7 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                                                     (long)chunks * (k1 - k0),
                                                     0};
                                 spilled_chunks(x, x_stride, tail, tail_row, K, r0, r1, spill, b0, k0, k1, nbn,
-                                               block_stride, &bp);
+                                               block_stride, &bp, NULL);
                             }
                             /* into the staging rows, flushed to out every STAGE_GROUPS groups: a row's
                              * columns of several groups then go out as one run of lines, not one line
@@ -459,8 +465,10 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
  * column 4p + i), x already gathered to the codes' column order (act-order, group padding) as bfloat16.
  * Per thread, per 2-block group and K block, the codes are dequantized once per row block into bfloat16
  * B tiles, w = bf16((code - zero) * scale) (what a bfloat16 copy of the dequantized weight holds), which
- * the row block's chunks then multiply on the tiles as amx_linear_bf16's large-M path does. At M = 1-16
- * the VNNI kernel (quant_gemm.c), which reads the codes once and never widens them, stays faster. */
+ * the row block's chunks then multiply on the tiles as amx_linear_bf16's large-M path does; the next K
+ * block's tiles are dequantized between the current one's tile products (DequantAhead), into a second
+ * buffer. At M = 1-16 the VNNI kernel (quant_gemm.c), which reads the codes once and never widens them,
+ * stays faster (crossover 24-32 rows, measured per shape with each path forced). */
 #define QT_U4 0
 #define QT_U8 1
 
@@ -472,26 +480,77 @@ static inline void store_pair(uint16_t *dst, __m512 even, __m512 odd) {
     _mm512_store_si512((__m512i *)dst, _mm512_permutexvar_epi16(idx, both));
 }
 
-/* K tile kb (columns 32 kb ..) of code block nb -> one bfloat16 B tile at dst (1 KiB, 64-byte aligned). */
-static void dequant_tile(const uint8_t *data, const float *scales, const float *zeros, int qtype, int k_int,
-                         int gs, int G, int nb, int kb, uint16_t *dst) {
+/* K tile kb (columns 32 kb ..) of code block nb -> one bfloat16 B tile at dst (1 KiB, 64-byte aligned).
+ * Inlined once per code width (dequant_tile below) so that the shifts and the loop counts are constants:
+ * 57 -> 42 ns a tile on a Xeon with AMX. */
+static inline __attribute__((always_inline)) void dequant_tile_q(const uint8_t *data, const float *scales,
+                                                                 const float *zeros, const int qtype,
+                                                                 int k_int, int gs, int G, int nb, int kb,
+                                                                 uint16_t *dst) {
     const int per_step = qtype == QT_U4 ? 8 : 4, steps = 32 / per_step;
     const uint8_t *blk = data + (size_t)nb * (k_int / per_step) * 64;
+    const __m512i mask = _mm512_set1_epi32(qtype == QT_U4 ? 0xF : 0xFF);
+#pragma GCC unroll 8
     for (int s = 0; s < steps; s++) {
         const int p = kb * steps + s, g = p * per_step / gs;
         const __m512i dw = _mm512_loadu_si512((const void *)(blk + (size_t)p * 64));
         const __m512 sc = _mm512_loadu_ps(scales + ((size_t)nb * G + g) * 16);
         const __m512 z = zeros ? _mm512_loadu_ps(zeros + ((size_t)nb * G + g) * 16) : _mm512_setzero_ps();
         __m512 v[8];
+#pragma GCC unroll 8
         for (int o = 0; o < per_step; o++) {
             const int shift = qtype == QT_U4 ? 8 * (o & 3) + 4 * (o >> 2) : 8 * o;
-            const __m512i code = _mm512_and_si512(_mm512_srli_epi32(dw, shift),
-                                                  _mm512_set1_epi32(qtype == QT_U4 ? 0xF : 0xFF));
+            const __m512i code = _mm512_and_si512(_mm512_srli_epi32(dw, shift), mask);
             v[o] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(code), z), sc);
         }
+#pragma GCC unroll 8
         for (int o = 0; o < per_step; o += 2)
             store_pair(dst + (size_t)(s * per_step + o) / 2 * 32, v[o], v[o + 1]);
     }
+}
+static void dequant_tile(const uint8_t *data, const float *scales, const float *zeros, int qtype, int k_int,
+                         int gs, int G, int nb, int kb, uint16_t *dst) {
+    if (qtype == QT_U4)
+        dequant_tile_q(data, scales, zeros, QT_U4, k_int, gs, G, nb, kb, dst);
+    else
+        dequant_tile_q(data, scales, zeros, QT_U8, k_int, gs, G, nb, kb, dst);
+}
+
+/* One K block of a group, dequantized into a buffer laid out as a packed weight of 2 blocks of KB tiles
+ * (only K tiles kb0 .. kb1 - 1 written): `tiles` = nbn * (kb1 - kb0) of them, spread evenly over `steps`
+ * calls of dequant_step (Bresenham), the rest by dequant_rest. At M = 32-64 a tile's dequantization costs
+ * more vector work than its 2-4 tile products take: done in one go before the products (as it was), the
+ * two add up; issued between them, the vector units and the tiles work at once. */
+typedef struct {
+    const uint8_t *data;
+    const float *scales, *zeros;
+    int qtype, k_int, gs, G, KB, NB;
+} Codes;
+struct DequantAhead {
+    const Codes *codes;
+    int nb0, kb0, kb1;
+    uint16_t *dst;
+    long tiles, steps, acc, done;
+};
+/* K block k0 of group g (its 1-2 output blocks) into dst over `steps` steps; g < 0: nothing. */
+static inline DequantAhead dequant_ahead(const Codes *c, int g, int k0, uint16_t *dst, long steps) {
+    const int k1 = c->KB - k0 < KB_BLOCK ? c->KB : k0 + KB_BLOCK, nbn = c->NB - 2 * g < 2 ? c->NB - 2 * g : 2;
+    return (DequantAhead){c, 2 * g, k0, k1, dst, g < 0 ? 0 : (long)nbn * (k1 - k0), steps, 0, 0};
+}
+static inline void dequant_one(DequantAhead *da) {
+    const Codes *c = da->codes;
+    const int per_block = da->kb1 - da->kb0, j = (int)(da->done / per_block),
+              kb = da->kb0 + (int)(da->done % per_block);
+    dequant_tile(c->data, c->scales, c->zeros, c->qtype, c->k_int, c->gs, c->G, da->nb0 + j, kb,
+                 da->dst + ((size_t)j * c->KB + kb) * TILE);
+    da->done++;
+}
+static inline void dequant_step(DequantAhead *da) {
+    for (da->acc += da->tiles; da->acc >= da->steps && da->done < da->tiles; da->acc -= da->steps)
+        dequant_one(da);
+}
+static inline void dequant_rest(DequantAhead *da) {
+    while (da->done < da->tiles) dequant_one(da);
 }
 
 /* x [M, k_in] bfloat16 (row stride x_stride), codes as above for N outputs over k_int columns (a multiple
@@ -526,8 +585,9 @@ int amx_linear_quant(const uint16_t *x, long x_stride, int k_in, const int64_t *
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         const int g_begin = (int)((long)groups * tid / nt), g_end = (int)((long)groups * (tid + 1) / nt);
         float *spill = (float *)aligned_alloc(64, (size_t)(ROW_BLOCK / 32) * 1024 * sizeof(float));
-        /* the group's dequantized B tiles, laid out as a packed weight of 2 blocks (only [k0, k1) live) */
-        uint16_t *btiles = (uint16_t *)aligned_alloc(64, (size_t)2 * KB * TILE * 2);
+        /* two buffers of dequantized B tiles, each laid out as a packed weight of 2 blocks (only one K
+         * block's tiles live): the current K block's, and the next one's being written */
+        uint16_t *btiles = (uint16_t *)aligned_alloc(64, (size_t)2 * 2 * KB * TILE * 2);
         const int tail_row = tail_row_of(M);
         uint16_t *tail = tail_row >= 0 && g_begin < g_end ? copy_tail(x, x_stride, tail_row, M, k_int) : NULL;
         if (!spill || !btiles || (tail_row >= 0 && g_begin < g_end && !tail)) {
@@ -535,6 +595,11 @@ int amx_linear_quant(const uint16_t *x, long x_stride, int k_in, const int64_t *
             failed = 1;
         } else if (g_begin < g_end) {
             configure_tiles(M < 16 ? M : 16);
+            const Codes codes = {data, scales, zeros, qtype, k_int, gs, G, KB, NB};
+            uint16_t *const bufs[2] = {btiles, btiles + (size_t)2 * KB * TILE};
+            DequantAhead first = dequant_ahead(&codes, g_begin, 0, bufs[0], 1);
+            dequant_rest(&first);
+            int buf = 0; /* the buffer holding the current K block */
             for (int r0 = 0; r0 < M; r0 += ROW_BLOCK) {
                 const int r1 = M - r0 < ROW_BLOCK ? M : r0 + ROW_BLOCK;
                 const int chunks = (r1 - r0 + 31) / 32;
@@ -542,12 +607,15 @@ int amx_linear_quant(const uint16_t *x, long x_stride, int k_in, const int64_t *
                     const int nb0 = g * 2, nbn = NB - nb0 < 2 ? NB - nb0 : 2;
                     for (int k0 = 0; k0 < KB; k0 += KB_BLOCK) {
                         const int k1 = KB - k0 < KB_BLOCK ? KB : k0 + KB_BLOCK;
-                        for (int j = 0; j < nbn; j++)
-                            for (int kb = k0; kb < k1; kb++)
-                                dequant_tile(data, scales, zeros, qtype, k_int, gs, G, nb0 + j, kb,
-                                             btiles + ((size_t)j * KB + kb) * TILE);
-                        spilled_chunks(x, x_stride, tail, tail_row, k_int, r0, r1, spill, btiles, k0, k1, nbn,
-                                       (size_t)KB * TILE, NULL);
+                        /* the block after this one: the group's next K block, the next group's first, or
+                         * the first group's for the next row block */
+                        const int g_next = k1 < KB ? g : g + 1 < g_end ? g + 1 : r1 < M ? g_begin : -1;
+                        DequantAhead ahead = dequant_ahead(&codes, g_next, k1 < KB ? k1 : 0, bufs[buf ^ 1],
+                                                           (long)chunks * (k1 - k0));
+                        spilled_chunks(x, x_stride, tail, tail_row, k_int, r0, r1, spill, bufs[buf], k0, k1,
+                                       nbn, (size_t)KB * TILE, NULL, &ahead);
+                        dequant_rest(&ahead);
+                        buf ^= 1;
                     }
                     const int n0 = nb0 * 16, cols = N - n0 < 32 ? N - n0 : 32;
                     for (int c = 0; c < chunks; c++)
