@@ -3,39 +3,39 @@
  * Why not oneDNN (torch.ops.mkldnn._linear_pointwise on a pre-reordered weight): at the M of a decode step
  * its GEMMs read the weights at ~19-22 GB/s where this machine's cores can stream ~26-31, and it does not
  * overlap the AMX arithmetic with the weight reads. Measured on the bench's medium model (12 layers + LM
- * head, 219 MB of weights, cold, 2 threads): M = 1 9.6 -> 7.0 ms, M = 32 11.5 -> 8.3 ms, M = 64 12.3-13.4
- * -> 10.9 ms (bench/cpu_kernels.py prints the comparison).
+ * head, 219 MB of weights, cold, 2 threads): M = 1 9.6 -> 7.0 ms, M = 32 11.5 -> 8.3 ms, M = 64 12.3-13.4 ->
+ * 10.9 ms (bench/cpu_kernels.py prints the comparison).
  *
- * The weight is packed once, at load, into AMX's B-tile layout: for each block of 16 output features and
- * 32 input features, a 1 KiB tile of 16 rows (one per pair of inputs) x 16 features x the pair; blocks
- * of one output block run along K, so a block's weights are one contiguous stream:
+ * The weight is packed once, at load, into AMX's B-tile layout: for each block of 16 output features and 32
+ * input features, a 1 KiB tile of 16 rows (one per pair of inputs) x 16 features x the pair; blocks of one
+ * output block run along K, so a block's weights are one contiguous stream:
  *     packed [ceil(N/16)][K/32][16 pairs][16 features][2] bfloat16, zero past N.
  * K must be a multiple of 32 (the caller pads x and W otherwise).
  *
- * The products of two bfloat16 are exact in float32 and each output is accumulated in float32 over K in
- * a fixed order that does not depend on M or on the other rows: a row's output is the same whatever batch
- * it is computed in. Rounded to bfloat16 once (to nearest even), after the bias, as torch rounds.
+ * The products of two bfloat16 are exact in float32 and each output is accumulated in float32 over K in a
+ * fixed order that does not depend on M or on the other rows: a row's output is the same whatever batch it
+ * is computed in. Rounded to bfloat16 once (to nearest even), after the bias, as torch rounds.
  *
- * Threads split the output blocks; rows go in blocks of ROW_BLOCK (x's block stays in L2) and, within one,
- * in chunks of 32 (four accumulator tiles: 2 row tiles x 2 output blocks) or, for M <= 16, one row tile
- * against 4 output blocks. A chunk of a row block reads its weights from DRAM, the block's later chunks
- * from L2; the next group's weights are prefetched evenly over the current group so that DRAM streams
- * while the tiles compute. From LARGE_M rows on (prefill chunks) the tile products, not DRAM, are the
- * bound, and feeding both x and the weight tiles from L2 for every product is more than L2 delivers: K
- * then goes in blocks of KB_BLOCK tiles whose weights stay in L1 across the row chunks, the accumulators
- * parked in memory between K blocks (same sums, same order). The outputs of STAGE_GROUPS groups are
- * gathered in a staging buffer and written row by row: a 32-column strip alone is one cache line per
- * row, and rows 8 KiB apart all fall in one cache set. Measured on the medium model's 48 layer GEMMs,
- * interleaved, outputs preallocated: M = 512 45 -> 42-45 ms (oneDNN 48-49), M = 2048 185 -> 155 ms
- * (oneDNN 125-137); M <= 128 is oneDNN's 1.1-1.4x.
- * On that path two more things (2026-12-05, a Xeon with AMX): the next K block's weight tiles (or the next
- * group's first) are prefetched into L1 while the current block's chunks compute, so that no chunk waits
- * on them from L3; and the staged rows go out with non-temporal stores when aligned: a prefill GEMM's
- * output is megabytes, past L2, and every plain store of a line not in cache first read it (RFO). The
- * 48 layer GEMMs at M = 2048 went 2.2-2.5 -> 2.4-2.7 TFLOP/s (interleaved pairs), a ModelRunner's prefill
- * of 64 prompts of 16-256 tokens 0.75-0.79 -> 0.71-0.75 s. Measured bounds on this CPU: one core's tile
- * products peak at ~3.7 TFLOP/s and keep 94% of it with one operand streaming from L2 and the other in L1,
- * 63% once the accumulators of 8 chunks (32 KiB) are parked in memory between K blocks as here. */
+ * Threads split the output blocks (each its share, taking over others' when done: Shares below); rows go in
+ * blocks of ROW_BLOCK (x's block stays in L2) and, within one, in chunks of 32 (four accumulator tiles: 2
+ * row tiles x 2 output blocks) or, for M <= 16, one row tile against 4 output blocks. A chunk of a row block
+ * reads its weights from DRAM, the block's later chunks from L2; the next group's weights are prefetched
+ * evenly over the current group so that DRAM streams while the tiles compute. From LARGE_M rows on (prefill
+ * chunks) the tile products, not DRAM, are the bound, and feeding both x and the weight tiles from L2 for
+ * every product is more than L2 delivers: K then goes in blocks of KB_BLOCK tiles whose weights stay in L1
+ * across the row chunks, the accumulators parked in memory between K blocks (same sums, same order). The
+ * outputs of STAGE_GROUPS groups are gathered in a staging buffer and written row by row: a 32-column strip
+ * alone is one cache line per row, and rows 8 KiB apart all fall in one cache set. Measured on the medium
+ * model's 48 layer GEMMs, interleaved, outputs preallocated: M = 512 45 -> 42-45 ms (oneDNN 48-49), M = 2048
+ * 185 -> 155 ms (oneDNN 125-137); M <= 128 is oneDNN's 1.1-1.4x. On that path two more things (2026-12-05, a
+ * Xeon with AMX): the next K block's weight tiles (or the next group's first) are prefetched into L1 while
+ * the current block's chunks compute, so that no chunk waits on them from L3; and the staged rows go out
+ * with non-temporal stores when aligned: a prefill GEMM's output is megabytes, past L2, and every plain
+ * store of a line not in cache first read it (RFO). The 48 layer GEMMs at M = 2048 went 2.2-2.5 -> 2.4-2.7
+ * TFLOP/s (interleaved pairs), a ModelRunner's prefill of 64 prompts of 16-256 tokens 0.75-0.79 -> 0.71-0.75
+ * s. Measured bounds on this CPU: one core's tile products peak at ~3.7 TFLOP/s and keep 94% of it with one
+ * operand streaming from L2 and the other in L1, 63% once the accumulators of 8 chunks (32 KiB) are parked
+ * in memory between K blocks as here. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -301,6 +301,61 @@ static inline void store_group(const float *a0, const float *a1, int rows, int c
         store_rows2(a0, a1, rows, cols, out, out_stride, bias ? bias + col : NULL);
 }
 
+/* The threads' work. Each thread owns the share of the groups a fixed split gives it (as before: for every
+ * row block, the same contiguous stretch of the weights, which then stays in its L2 from one row block to
+ * the next), cut into items of one row block and up to `per` groups and taken in order from the front of
+ * its queue; a thread whose queue is empty takes items from the back of the others'. A fixed split alone
+ * makes the whole call wait for the slower thread, and on a CPU shared with a server, a scheduler or a
+ * noisy neighbour one of them often is: the medium model's four layer GEMMs at M = 2048, with a process
+ * busy half the time on one of the two cores, 23.8-27.3 ms -> ~17.7 ms. From LARGE_M rows on a share is
+ * cut into at least ITEMS_PER_THREAD items (`per` halved as needed, at most STAGE_GROUPS); below (decode
+ * steps, GEMMs of tens of microseconds, where shorter runs break the hardware prefetcher's streams
+ * across groups: 2-4% slower at M = 1-64) a share is one item. Each output is computed by one thread in
+ * the same order whichever thread that is: the result does not depend on the split. */
+#ifndef ITEMS_PER_THREAD
+#define ITEMS_PER_THREAD 4
+#endif
+typedef struct { int groups, threads, per, row_blocks; } Shares;
+static inline Shares plan_shares(int groups, int threads, int row_blocks, int large) {
+    const int smallest = groups / threads > 0 ? groups / threads : 1;
+    int per = large ? (smallest < STAGE_GROUPS ? smallest : STAGE_GROUPS) : groups;
+    while (large && per > 1 && (long)row_blocks * ((smallest + per - 1) / per) < ITEMS_PER_THREAD)
+        per = (per + 1) / 2;
+    return (Shares){groups, threads, per, row_blocks};
+}
+static inline int share_begin(const Shares *s, int t) { return (int)((long)s->groups * t / s->threads); }
+static inline int share_runs(const Shares *s, int t) {
+    return (share_begin(s, t + 1) - share_begin(s, t) + s->per - 1) / s->per;
+}
+/* Item j of thread t's share: its row block and groups [g_begin, g_end). */
+typedef struct { int row_block, g_begin, g_end; } ItemRange;
+static inline ItemRange share_item(const Shares *s, int t, long j) {
+    const int runs = share_runs(s, t), end = share_begin(s, t + 1);
+    const int g_begin = share_begin(s, t) + (int)(j % runs) * s->per;
+    return (ItemRange){(int)(j / runs), g_begin, g_begin + s->per < end ? g_begin + s->per : end};
+}
+/* A queue of items: the next from the front (low 32 bits) and one past the last from the back (high 32),
+ * in one word so that the owner and a thief can never take the same item. Returns the item, -1: empty. */
+static inline long queue_take(long *q, int from_back) {
+    long cur = __atomic_load_n(q, __ATOMIC_RELAXED);
+    for (;;) {
+        const long front = cur & 0xffffffffL, back = cur >> 32;
+        if (front >= back) return -1;
+        const long next = from_back ? (back - 1) << 32 | front : back << 32 | (front + 1);
+        if (__atomic_compare_exchange_n(q, &cur, next, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return from_back ? back - 1 : front;
+    }
+}
+/* The next item for thread `tid`: its own queue's front, else another's back; *owner: whose share. */
+static inline long next_item(long *queues, int threads, int tid, int *owner) {
+    long j = queue_take(&queues[tid], 0);
+    *owner = tid;
+    for (int v = 1; j < 0 && v < threads; v++) {
+        *owner = (tid + v) % threads;
+        j = queue_take(&queues[*owner], 1);
+    }
+    return j;
+}
 /* x [M, K] with row stride x_stride, out [M, N] with row stride out_stride (elements); bias [N] or NULL.
  * gated: the weight came from amx_pack_bf16_gated and out is [M, N / 2] = silu(gate) * up.
  * Returns 0, -1 for K not a multiple of 32 (or a gated N not of 32), -2 when scratch cannot be allocated. */
@@ -315,11 +370,15 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
     const int width = M <= 16 ? 4 : 2; /* output blocks per group */
     const int groups = (NB + width - 1) / width;
     const size_t block_stride = (size_t)KB * TILE; /* one output block's weights */
+    const int threads = num_threads > 0 ? num_threads : 1;
+    const Shares shares =
+        plan_shares(groups, threads, width == 4 ? 1 : (M + ROW_BLOCK - 1) / ROW_BLOCK, M >= LARGE_M);
+    long *queues = (long *)malloc(sizeof(long) * (size_t)threads);
+    if (!queues) return -2;
+    for (int t = 0; t < threads; t++) queues[t] = (long)shares.row_blocks * share_runs(&shares, t) << 32;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int g_begin = (int)((long)groups * tid / nt), g_end = (int)((long)groups * (tid + 1) / nt);
         float acc[4][256] __attribute__((aligned(64)));
         /* accumulators of a row block's chunks between K blocks (the large-M path): [chunks][4 tiles][256] */
         float *spill =
@@ -327,13 +386,20 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
         uint16_t *stage =
             M >= LARGE_M ? (uint16_t *)aligned_alloc(64, (size_t)ROW_BLOCK * STAGE_GROUPS * 32 * 2) : NULL;
         const int tail_row = tail_row_of(M);
-        uint16_t *tail = tail_row >= 0 && g_begin < g_end ? copy_tail(x, x_stride, tail_row, M, K) : NULL;
-        if (tail_row >= 0 && g_begin < g_end && !tail) {
+        uint16_t *tail = tail_row >= 0 ? copy_tail(x, x_stride, tail_row, M, K) : NULL;
+        if (tail_row >= 0 && !tail) {
 #pragma omp atomic write
             failed = 1;
         }
-        if (g_begin < g_end && (tail_row < 0 || tail)) {
-            configure_tiles(M < 16 ? M : 16);
+        /* an OpenMP runtime may give fewer threads than asked: the missing ones' queues get emptied from
+         * the back */
+        const int tid = omp_get_thread_num() % threads;
+        int owner;
+        long item = tail_row < 0 || tail ? next_item(queues, threads, tid, &owner) : -1;
+        if (item >= 0) configure_tiles(M < 16 ? M : 16);
+        for (; item >= 0; item = next_item(queues, threads, tid, &owner)) {
+            const ItemRange it = share_item(&shares, owner, item);
+            const int g_begin = it.g_begin, g_end = it.g_end;
             if (width == 4) { /* M <= 16: one row tile against four output blocks */
                 for (int g = g_begin; g < g_end; g++) {
                     const int nb0 = g * 4, nbn = NB - nb0 < 4 ? NB - nb0 : 4;
@@ -372,8 +438,8 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                  * (Without this both x and the weights stream from L2 for every tile product, which L2's
                  * bandwidth cannot feed.) */
                 const int large = M >= LARGE_M && spill && stage;
-                for (int r0 = 0; r0 < M; r0 += ROW_BLOCK) {
-                    const int r1 = M - r0 < ROW_BLOCK ? M : r0 + ROW_BLOCK;
+                {
+                    const int r0 = it.row_block * ROW_BLOCK, r1 = M - r0 < ROW_BLOCK ? M : r0 + ROW_BLOCK;
                     const int chunks = (r1 - r0 + 31) / 32;
                     for (int g = g_begin; g < g_end; g++) {
                         const int nb0 = g * 2, nbn = NB - nb0 < 2 ? NB - nb0 : 2;
@@ -382,9 +448,9 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                         if (large) {
                             for (int k0 = 0; k0 < KB; k0 += KB_BLOCK) {
                                 const int k1 = KB - k0 < KB_BLOCK ? KB : k0 + KB_BLOCK;
-                                /* the weights of the next K block, or of this thread's next group, into L1
+                                /* the weights of the next K block, or of this item's next group, into L1
                                  * while this one's chunks compute: a block's first chunk otherwise waits on
-                                 * them */
+                                 * them (not the next item's first: measured 2-3% slower) */
                                 const int g_next = k1 < KB ? g : g + 1 < g_end ? g + 1 : -1;
                                 const int kn = k1 < KB ? k1 : 0;
                                 const int nbn_next = g_next < 0            ? 0
@@ -426,9 +492,8 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                             }
                             continue;
                         }
-                        /* the weights wanted next: this thread's next group, or its first for the next
-                         * row block */
-                        const int g_next = g + 1 < g_end ? g + 1 : r1 < M ? g_begin : -1;
+                        /* the weights wanted next: this item's next group */
+                        const int g_next = g + 1 < g_end ? g + 1 : -1;
                         Prefetch pf = {g_next >= 0 ? packed + (size_t)g_next * 2 * block_stride : NULL,
                                        g_next >= 0 ? (NB - 2 * g_next < 2 ? NB - 2 * g_next : 2) * KB : 0,
                                        (long)chunks * KB, 0, 0};
@@ -448,13 +513,14 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                     }
                 }
             }
-            _tile_release();
-            _mm_sfence(); /* flush_row's streamed lines are visible before the caller reads out */
         }
+        _tile_release();
+        _mm_sfence(); /* flush_row's streamed lines are visible before the caller reads out */
         free(tail);
         free(spill);
         free(stage);
     }
+    free(queues);
     return failed ? -2 : 0;
 }
 

@@ -67,6 +67,30 @@ def test_a_row_is_the_same_in_any_batch(n: int) -> None:
 
 
 @needs_amx
+@pytest.mark.parametrize("m", [5, 40, 300, 600])  # one row tile; chunks; the large-M path's row blocks
+def test_any_number_of_threads_gives_the_same_bits(m: int) -> None:
+    """Threads own shares of the output blocks and take over each other's items when their own run out
+    (amx_gemm.c's Shares): whichever thread computes an output, it is summed in the same order, so 1, 2, 3
+    and 7 threads (more than this machine's cores: items change hands) agree bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(1000, 320, generator=g).to(torch.bfloat16)  # 63 output blocks: shares of unequal size
+    b = torch.randn(1000, generator=g).to(torch.bfloat16)
+    packed = cpu_amx.pack(w)
+    x = torch.randn(m, 320, generator=g).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3, 7):
+            torch.set_num_threads(threads)
+            outs.append(cpu_amx.linear(x, packed, b))
+    finally:
+        torch.set_num_threads(before)
+    assert_bf16_close(outs[0], reference(x, w, b))
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+@needs_amx
 def test_nan_stays_in_its_row_and_strided_rows() -> None:
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 128, generator=g).to(torch.bfloat16)
