@@ -438,77 +438,72 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                  * (Without this both x and the weights stream from L2 for every tile product, which L2's
                  * bandwidth cannot feed.) */
                 const int large = M >= LARGE_M && spill && stage;
-                {
-                    const int r0 = it.row_block * ROW_BLOCK, r1 = M - r0 < ROW_BLOCK ? M : r0 + ROW_BLOCK;
-                    const int chunks = (r1 - r0 + 31) / 32;
-                    for (int g = g_begin; g < g_end; g++) {
-                        const int nb0 = g * 2, nbn = NB - nb0 < 2 ? NB - nb0 : 2;
-                        const uint16_t *b0 = packed + (size_t)nb0 * block_stride;
-                        const int n0 = nb0 * 16, cols = N - n0 < 32 ? N - n0 : 32, col = g * out_group;
-                        if (large) {
-                            for (int k0 = 0; k0 < KB; k0 += KB_BLOCK) {
-                                const int k1 = KB - k0 < KB_BLOCK ? KB : k0 + KB_BLOCK;
-                                /* the weights of the next K block, or of this item's next group, into L1
+                const int r0 = it.row_block * ROW_BLOCK, r1 = M - r0 < ROW_BLOCK ? M : r0 + ROW_BLOCK;
+                const int chunks = (r1 - r0 + 31) / 32;
+                for (int g = g_begin; g < g_end; g++) {
+                    const int nb0 = g * 2, nbn = NB - nb0 < 2 ? NB - nb0 : 2;
+                    const uint16_t *b0 = packed + (size_t)nb0 * block_stride;
+                    const int n0 = nb0 * 16, cols = N - n0 < 32 ? N - n0 : 32, col = g * out_group;
+                    if (large) {
+                        for (int k0 = 0; k0 < KB; k0 += KB_BLOCK) {
+                            const int k1 = KB - k0 < KB_BLOCK ? KB : k0 + KB_BLOCK;
+                            /* the weights of the next K block, or of this item's next group, into L1
                                  * while this one's chunks compute: a block's first chunk otherwise waits on
                                  * them (not the next item's first: measured 2-3% slower) */
-                                const int g_next = k1 < KB ? g : g + 1 < g_end ? g + 1 : -1;
-                                const int kn = k1 < KB ? k1 : 0;
-                                const int nbn_next = g_next < 0            ? 0
-                                                     : NB - 2 * g_next < 2 ? NB - 2 * g_next
-                                                                           : 2;
-                                const int kn1 = KB - kn < KB_BLOCK ? KB : kn + KB_BLOCK;
-                                BlockPrefetch bp = {g_next < 0 ? NULL
-                                                               : packed + (size_t)g_next * 2 * block_stride,
-                                                    kn,
-                                                    kn1 - kn,
-                                                    nbn_next,
-                                                    block_stride,
-                                                    (long)chunks * (k1 - k0),
-                                                    0};
-                                spilled_chunks(x, x_stride, tail, tail_row, K, r0, r1, spill, b0, k0, k1, nbn,
-                                               block_stride, &bp, NULL);
-                            }
-                            /* into the staging rows, flushed to out every STAGE_GROUPS groups: a row's
+                            const int g_next = k1 < KB ? g : g + 1 < g_end ? g + 1 : -1;
+                            const int kn = k1 < KB ? k1 : 0;
+                            const int nbn_next = g_next < 0 ? 0 : NB - 2 * g_next < 2 ? NB - 2 * g_next : 2;
+                            const int kn1 = KB - kn < KB_BLOCK ? KB : kn + KB_BLOCK;
+                            BlockPrefetch bp = {g_next < 0 ? NULL
+                                                           : packed + (size_t)g_next * 2 * block_stride,
+                                                kn,
+                                                kn1 - kn,
+                                                nbn_next,
+                                                block_stride,
+                                                (long)chunks * (k1 - k0),
+                                                0};
+                            spilled_chunks(x, x_stride, tail, tail_row, K, r0, r1, spill, b0, k0, k1, nbn,
+                                           block_stride, &bp, NULL);
+                        }
+                        /* into the staging rows, flushed to out every STAGE_GROUPS groups: a row's
                              * columns of several groups then go out as one run of lines, not one line
                              * per row and group */
-                            const int slot = (g - g_begin) % STAGE_GROUPS;
-                            for (int c = 0; c < chunks; c++) {
-                                const int m0 = r0 + 32 * c;
-                                const float *sp = spill + (size_t)c * 1024;
-                                for (int t = 0; t < 2 && m0 + 16 * t < r1; t++) {
-                                    const int row = m0 + 16 * t, rows = r1 - row < 16 ? r1 - row : 16;
-                                    store_group(sp + 512 * t, sp + 512 * t + 256, rows, cols,
-                                                stage + (size_t)(row - r0) * STAGE_GROUPS * 32
-                                                    + slot * out_group,
-                                                STAGE_GROUPS * 32, bias, col, inter, gated);
-                                }
-                            }
-                            if (slot == STAGE_GROUPS - 1 || g == g_end - 1) {
-                                const int first = (g - slot) * out_group;
-                                const int width = gated ? (slot + 1) * 16 : n0 + cols - first;
-                                for (int row = r0; row < r1; row++)
-                                    flush_row(out + (long)row * out_stride + first,
-                                              stage + (size_t)(row - r0) * STAGE_GROUPS * 32, width);
-                            }
-                            continue;
-                        }
-                        /* the weights wanted next: this item's next group */
-                        const int g_next = g + 1 < g_end ? g + 1 : -1;
-                        Prefetch pf = {g_next >= 0 ? packed + (size_t)g_next * 2 * block_stride : NULL,
-                                       g_next >= 0 ? (NB - 2 * g_next < 2 ? NB - 2 * g_next : 2) * KB : 0,
-                                       (long)chunks * KB, 0, 0};
+                        const int slot = (g - g_begin) % STAGE_GROUPS;
                         for (int c = 0; c < chunks; c++) {
                             const int m0 = r0 + 32 * c;
-                            const RowChunk ch = row_chunk(x, x_stride, tail, tail_row, K, m0, r1);
-                            zero_accs();
-                            chunk_products(&ch, b0, 0, KB, nbn, block_stride, &pf);
-                            store_accs(acc[0]);
-                            for (int t = 0; t < 1 + ch.two; t++) {
+                            const float *sp = spill + (size_t)c * 1024;
+                            for (int t = 0; t < 2 && m0 + 16 * t < r1; t++) {
                                 const int row = m0 + 16 * t, rows = r1 - row < 16 ? r1 - row : 16;
-                                store_group(acc[2 * t], acc[2 * t + 1], rows, cols,
-                                            out + (long)row * out_stride + col, out_stride, bias, col, inter,
-                                            gated);
+                                store_group(sp + 512 * t, sp + 512 * t + 256, rows, cols,
+                                            stage + (size_t)(row - r0) * STAGE_GROUPS * 32 + slot * out_group,
+                                            STAGE_GROUPS * 32, bias, col, inter, gated);
                             }
+                        }
+                        if (slot == STAGE_GROUPS - 1 || g == g_end - 1) {
+                            const int first = (g - slot) * out_group;
+                            const int width = gated ? (slot + 1) * 16 : n0 + cols - first;
+                            for (int row = r0; row < r1; row++)
+                                flush_row(out + (long)row * out_stride + first,
+                                          stage + (size_t)(row - r0) * STAGE_GROUPS * 32, width);
+                        }
+                        continue;
+                    }
+                    /* the weights wanted next: this item's next group */
+                    const int g_next = g + 1 < g_end ? g + 1 : -1;
+                    Prefetch pf = {g_next >= 0 ? packed + (size_t)g_next * 2 * block_stride : NULL,
+                                   g_next >= 0 ? (NB - 2 * g_next < 2 ? NB - 2 * g_next : 2) * KB : 0,
+                                   (long)chunks * KB, 0, 0};
+                    for (int c = 0; c < chunks; c++) {
+                        const int m0 = r0 + 32 * c;
+                        const RowChunk ch = row_chunk(x, x_stride, tail, tail_row, K, m0, r1);
+                        zero_accs();
+                        chunk_products(&ch, b0, 0, KB, nbn, block_stride, &pf);
+                        store_accs(acc[0]);
+                        for (int t = 0; t < 1 + ch.two; t++) {
+                            const int row = m0 + 16 * t, rows = r1 - row < 16 ? r1 - row : 16;
+                            store_group(acc[2 * t], acc[2 * t + 1], rows, cols,
+                                        out + (long)row * out_stride + col, out_stride, bias, col, inter,
+                                        gated);
                         }
                     }
                 }
@@ -646,61 +641,75 @@ int amx_linear_quant(const uint16_t *x, long x_stride, int k_in, const int64_t *
         x = gathered;
         x_stride = k_int;
     }
+    /* the threads' shares and queues, as in amx_linear_bf16 */
+    const int threads = num_threads > 0 ? num_threads : 1;
+    const Shares shares = plan_shares(groups, threads, (M + ROW_BLOCK - 1) / ROW_BLOCK, M >= LARGE_M);
+    long *queues = (long *)malloc(sizeof(long) * (size_t)threads);
+    if (!queues) {
+        free(gathered);
+        return -2;
+    }
+    for (int t = 0; t < threads; t++) queues[t] = (long)shares.row_blocks * share_runs(&shares, t) << 32;
 #pragma omp parallel num_threads(num_threads)
     {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int g_begin = (int)((long)groups * tid / nt), g_end = (int)((long)groups * (tid + 1) / nt);
+        const int tid = omp_get_thread_num() % threads;
         float *spill = (float *)aligned_alloc(64, (size_t)(ROW_BLOCK / 32) * 1024 * sizeof(float));
         /* two buffers of dequantized B tiles, each laid out as a packed weight of 2 blocks (only one K
          * block's tiles live): the current K block's, and the next one's being written */
         uint16_t *btiles = (uint16_t *)aligned_alloc(64, (size_t)2 * 2 * KB * TILE * 2);
         const int tail_row = tail_row_of(M);
-        uint16_t *tail = tail_row >= 0 && g_begin < g_end ? copy_tail(x, x_stride, tail_row, M, k_int) : NULL;
-        if (!spill || !btiles || (tail_row >= 0 && g_begin < g_end && !tail)) {
+        uint16_t *tail = tail_row >= 0 ? copy_tail(x, x_stride, tail_row, M, k_int) : NULL;
+        int owner = tid;
+        long item = -1;
+        if (!spill || !btiles || (tail_row >= 0 && !tail)) {
 #pragma omp atomic write
             failed = 1;
-        } else if (g_begin < g_end) {
+        } else if ((item = next_item(queues, threads, tid, &owner)) >= 0) {
             configure_tiles(M < 16 ? M : 16);
-            const Codes codes = {data, scales, zeros, qtype, k_int, gs, G, KB, NB};
-            uint16_t *const bufs[2] = {btiles, btiles + (size_t)2 * KB * TILE};
-            DequantAhead first = dequant_ahead(&codes, g_begin, 0, bufs[0], 1);
-            dequant_rest(&first);
-            int buf = 0; /* the buffer holding the current K block */
-            for (int r0 = 0; r0 < M; r0 += ROW_BLOCK) {
-                const int r1 = M - r0 < ROW_BLOCK ? M : r0 + ROW_BLOCK;
-                const int chunks = (r1 - r0 + 31) / 32;
-                for (int g = g_begin; g < g_end; g++) {
-                    const int nb0 = g * 2, nbn = NB - nb0 < 2 ? NB - nb0 : 2;
-                    for (int k0 = 0; k0 < KB; k0 += KB_BLOCK) {
-                        const int k1 = KB - k0 < KB_BLOCK ? KB : k0 + KB_BLOCK;
-                        /* the block after this one: the group's next K block, the next group's first, or
-                         * the first group's for the next row block */
-                        const int g_next = k1 < KB ? g : g + 1 < g_end ? g + 1 : r1 < M ? g_begin : -1;
-                        DequantAhead ahead = dequant_ahead(&codes, g_next, k1 < KB ? k1 : 0, bufs[buf ^ 1],
-                                                           (long)chunks * (k1 - k0));
-                        spilled_chunks(x, x_stride, tail, tail_row, k_int, r0, r1, spill, bufs[buf], k0, k1,
-                                       nbn, (size_t)KB * TILE, NULL, &ahead);
-                        dequant_rest(&ahead);
-                        buf ^= 1;
-                    }
-                    const int n0 = nb0 * 16, cols = N - n0 < 32 ? N - n0 : 32;
-                    for (int c = 0; c < chunks; c++)
-                        for (int t = 0; t < 2; t++) {
-                            const int row = r0 + 32 * c + 16 * t;
-                            if (row >= r1) break;
-                            const int rows = r1 - row < 16 ? r1 - row : 16;
-                            const float *sp = spill + (size_t)c * 1024 + 512 * t;
-                            store_rows2(sp, sp + 256, rows, cols, out + (long)row * out_stride + n0,
-                                        out_stride, bias ? bias + n0 : NULL);
-                        }
-                }
-            }
-            _tile_release();
         }
+        const Codes codes = {data, scales, zeros, qtype, k_int, gs, G, KB, NB};
+        uint16_t *const bufs[2] = {btiles, btiles + (size_t)2 * KB * TILE};
+        int buf = 0; /* the buffer holding the current K block */
+        for (; item >= 0; item = next_item(queues, threads, tid, &owner)) {
+            const ItemRange it = share_item(&shares, owner, item);
+            const int g_begin = it.g_begin, g_end = it.g_end;
+            /* an item's first K block here; each later one while its predecessor's products run */
+            DequantAhead first = dequant_ahead(&codes, g_begin, 0, bufs[buf], 1);
+            dequant_rest(&first);
+            const int r0 = it.row_block * ROW_BLOCK, r1 = M - r0 < ROW_BLOCK ? M : r0 + ROW_BLOCK;
+            const int chunks = (r1 - r0 + 31) / 32;
+            for (int g = g_begin; g < g_end; g++) {
+                const int nb0 = g * 2, nbn = NB - nb0 < 2 ? NB - nb0 : 2;
+                for (int k0 = 0; k0 < KB; k0 += KB_BLOCK) {
+                    const int k1 = KB - k0 < KB_BLOCK ? KB : k0 + KB_BLOCK;
+                    /* the block after this one: the group's next K block or the item's next group's
+                         * first */
+                    const int g_next = k1 < KB ? g : g + 1 < g_end ? g + 1 : -1;
+                    DequantAhead ahead = dequant_ahead(&codes, g_next, k1 < KB ? k1 : 0, bufs[buf ^ 1],
+                                                       (long)chunks * (k1 - k0));
+                    spilled_chunks(x, x_stride, tail, tail_row, k_int, r0, r1, spill, bufs[buf], k0, k1, nbn,
+                                   (size_t)KB * TILE, NULL, &ahead);
+                    dequant_rest(&ahead);
+                    buf ^= 1;
+                }
+                const int n0 = nb0 * 16, cols = N - n0 < 32 ? N - n0 : 32;
+                for (int c = 0; c < chunks; c++)
+                    for (int t = 0; t < 2; t++) {
+                        const int row = r0 + 32 * c + 16 * t;
+                        if (row >= r1) break;
+                        const int rows = r1 - row < 16 ? r1 - row : 16;
+                        const float *sp = spill + (size_t)c * 1024 + 512 * t;
+                        store_rows2(sp, sp + 256, rows, cols, out + (long)row * out_stride + n0, out_stride,
+                                    bias ? bias + n0 : NULL);
+                    }
+            }
+        }
+        _tile_release();
         free(tail);
         free(spill);
         free(btiles);
     }
+    free(queues);
     free(gathered);
     return failed ? -2 : 0;
 }

@@ -91,6 +91,29 @@ def test_amx_rows_multiply_the_bfloat16_weight(qtype, n, k, group, act_order, m)
 
 
 @needs_amx
+@pytest.mark.parametrize("m", [40, 600])  # one item a thread; row blocks cut into items that change hands
+def test_amx_rows_are_the_same_with_any_number_of_threads(m: int) -> None:
+    """Threads own shares of the output groups and take over each other's items when theirs run out
+    (amx_gemm.c's Shares): every output is still summed in one order, so 1, 2, 3 and 7 threads agree bit
+    for bit."""
+    canon = random_layer(QTYPE_U4, 1000, 256, 64, True)
+    weight = quant_gemm.pack(*canon_args(canon))
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3, 7):
+            torch.set_num_threads(threads)
+            outs.append(quant_gemm.linear(x, weight, None))
+    finally:
+        torch.set_num_threads(before)
+    want = x.double() @ canon.dequantize_original().bfloat16().double().t()
+    torch.testing.assert_close(outs[0].double(), want, rtol=4e-3, atol=4e-3)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+@needs_amx
 def test_amx_rows_do_not_depend_on_the_batch_past_the_threshold() -> None:
     """Within the AMX regime a row's output is summed in one fixed order: any batch of AMX_MIN_ROWS rows or
     more gives it bit for bit (row blocks, partial tiles); below it the VNNI kernel decides."""
