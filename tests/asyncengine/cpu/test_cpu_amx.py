@@ -9,6 +9,7 @@ import ctypes
 import pytest
 import torch
 import torch.nn.functional as F
+from torch_threads import outputs_with_threads
 
 from asyncengine.cpu import amx as cpu_amx
 from asyncengine.cpu import gemm as cpu_gemm
@@ -77,14 +78,7 @@ def test_any_number_of_threads_gives_the_same_bits(m: int) -> None:
     b = torch.randn(1000, generator=g).to(torch.bfloat16)
     packed = cpu_amx.pack(w)
     x = torch.randn(m, 320, generator=g).to(torch.bfloat16)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3, 7):
-            torch.set_num_threads(threads)
-            outs.append(cpu_amx.linear(x, packed, b))
-    finally:
-        torch.set_num_threads(before)
+    outs = outputs_with_threads(lambda: cpu_amx.linear(x, packed, b))
     assert_bf16_close(outs[0], reference(x, w, b))
     for out in outs[1:]:
         assert torch.equal(out, outs[0])

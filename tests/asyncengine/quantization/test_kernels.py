@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch_threads import outputs_with_threads
 
 from asyncengine.cpu import amx as cpu_amx
 from asyncengine.cpu import quant_gemm
@@ -99,14 +100,7 @@ def test_amx_rows_are_the_same_with_any_number_of_threads(m: int) -> None:
     canon = random_layer(QTYPE_U4, 1000, 256, 64, True)
     weight = quant_gemm.pack(*canon_args(canon))
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3, 7):
-            torch.set_num_threads(threads)
-            outs.append(quant_gemm.linear(x, weight, None))
-    finally:
-        torch.set_num_threads(before)
+    outs = outputs_with_threads(lambda: quant_gemm.linear(x, weight, None))
     want = x.double() @ canon.dequantize_original().bfloat16().double().t()
     torch.testing.assert_close(outs[0].double(), want, rtol=4e-3, atol=4e-3)
     for out in outs[1:]:
