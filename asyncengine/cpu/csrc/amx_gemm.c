@@ -308,12 +308,13 @@ static inline void store_group(const float *a0, const float *a1, int rows, int c
  * makes the whole call wait for the slower thread, and on a CPU shared with a server, a scheduler or a
  * noisy neighbour one of them often is: the medium model's four layer GEMMs at M = 2048, with a process
  * busy half the time on one of the two cores, 23.8-27.3 ms -> ~17.7 ms. From LARGE_M rows on a share is
- * cut into at least ITEMS_PER_THREAD items (`per` halved as needed, at most STAGE_GROUPS); below (decode
- * steps, GEMMs of tens of microseconds, where shorter runs break the hardware prefetcher's streams
- * across groups: 2-4% slower at M = 1-64) a share is one item. Each output is computed by one thread in
+ * cut into at least ITEMS_PER_THREAD items (`per` halved as needed, at most STAGE_GROUPS; 2 rather than 4:
+ * at M = 128, one row block, the shorter runs of 4 cost 1-2%); below (decode steps, GEMMs of tens of
+ * microseconds, where shorter runs break the hardware prefetcher's streams across groups: 2-4% slower at
+ * M = 1-64) a share is one item. Each output is computed by one thread in
  * the same order whichever thread that is: the result does not depend on the split. */
 #ifndef ITEMS_PER_THREAD
-#define ITEMS_PER_THREAD 4
+#define ITEMS_PER_THREAD 2
 #endif
 typedef struct { int groups, threads, per, row_blocks; } Shares;
 static inline Shares plan_shares(int groups, int threads, int row_blocks, int large) {
