@@ -449,8 +449,8 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                         for (int k0 = 0; k0 < KB; k0 += KB_BLOCK) {
                             const int k1 = KB - k0 < KB_BLOCK ? KB : k0 + KB_BLOCK;
                             /* the weights of the next K block, or of this item's next group, into L1
-                                 * while this one's chunks compute: a block's first chunk otherwise waits on
-                                 * them (not the next item's first: measured 2-3% slower) */
+                             * while this one's chunks compute: a block's first chunk otherwise waits on
+                             * them (not the next item's first: measured 2-3% slower) */
                             const int g_next = k1 < KB ? g : g + 1 < g_end ? g + 1 : -1;
                             const int kn = k1 < KB ? k1 : 0;
                             const int nbn_next = g_next < 0 ? 0 : NB - 2 * g_next < 2 ? NB - 2 * g_next : 2;
@@ -467,8 +467,8 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
                                            block_stride, &bp, NULL);
                         }
                         /* into the staging rows, flushed to out every STAGE_GROUPS groups: a row's
-                             * columns of several groups then go out as one run of lines, not one line
-                             * per row and group */
+                         * columns of several groups then go out as one run of lines, not one line
+                         * per row and group */
                         const int slot = (g - g_begin) % STAGE_GROUPS;
                         for (int c = 0; c < chunks; c++) {
                             const int m0 = r0 + 32 * c;
@@ -684,7 +684,7 @@ int amx_linear_quant(const uint16_t *x, long x_stride, int k_in, const int64_t *
                 for (int k0 = 0; k0 < KB; k0 += KB_BLOCK) {
                     const int k1 = KB - k0 < KB_BLOCK ? KB : k0 + KB_BLOCK;
                     /* the block after this one: the group's next K block or the item's next group's
-                         * first */
+                     * first */
                     const int g_next = k1 < KB ? g : g + 1 < g_end ? g + 1 : -1;
                     DequantAhead ahead = dequant_ahead(&codes, g_next, k1 < KB ? k1 : 0, bufs[buf ^ 1],
                                                        (long)chunks * (k1 - k0));
