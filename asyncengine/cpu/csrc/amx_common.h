@@ -35,7 +35,7 @@ static inline void configure_tiles(int rows) {
         c.colsb[t] = 64;
         c.rows[t] = t >= 6 ? 16 : rows;
     }
-    /* Not _tile_loadconfig(&c): GCC's intrinsic tells the compiler that ldtilecfg reads 8 bytes at &c, so
+    /* Not the _tile_loadconfig intrinsic: GCC's tells the compiler that ldtilecfg reads 8 bytes at &c, so
      * the stores of colsb and rows can be dropped as dead or c's slot reused for other locals first (seen
      * at -O3: ldtilecfg then faults on a config whose widths read zero). "m" on the whole struct says it
      * reads all 64 bytes. */

@@ -40,3 +40,14 @@ def test_cache_key_follows_source_and_headers(tmp_path: Path, monkeypatch: pytes
     assert len(second) == 2
     header.write_text("#define ANSWER 7\n")  # a header change alone rebuilds too
     assert len(built()) == 3
+
+
+def test_tile_configs_are_loaded_through_configure_tiles() -> None:
+    """GCC's _tile_loadconfig(&cfg) tells the compiler that ldtilecfg reads 8 bytes of the 64-byte config,
+    so at -O3 the stores of the tile widths can be dropped and ldtilecfg faults (seen 2026-12-05 in
+    amx_linear_quant). amx_common.h's configure_tiles states the whole struct as its operand; no kernel may
+    go around it."""
+    csrc = Path(build.__file__).parent / "csrc"
+    offenders = [p.name for p in sorted(csrc.glob("*.[ch]")) if "_tile_loadconfig(" in p.read_text()]
+    assert offenders == []
+    assert '"m"(c)' in (csrc / "amx_common.h").read_text()
