@@ -562,7 +562,10 @@ static inline __attribute__((always_inline)) void dequant_tile_q(const uint8_t *
 #pragma GCC unroll 8
         for (int o = 0; o < per_step; o++) {
             const int shift = qtype == QT_U4 ? 8 * (o & 3) + 4 * (o >> 2) : 8 * o;
-            const __m512i code = _mm512_and_si512(_mm512_srli_epi32(dw, shift), mask);
+            /* the top code of a lane needs no mask (GCC keeps the and otherwise) */
+            const __m512i code = shift == (qtype == QT_U4 ? 28 : 24)
+                                     ? _mm512_srli_epi32(dw, shift)
+                                     : _mm512_and_si512(_mm512_srli_epi32(dw, shift), mask);
             v[o] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(code), z), sc);
         }
 #pragma GCC unroll 8
