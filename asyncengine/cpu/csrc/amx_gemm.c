@@ -635,13 +635,35 @@ int amx_linear_quant(const uint16_t *x, long x_stride, int k_in, const int64_t *
     uint16_t *gathered = NULL;
     if (perm || k_in != k_int) {
         gathered = (uint16_t *)aligned_alloc(64, ((size_t)M * k_int * 2 + 63) / 64 * 64);
-        if (!gathered) return -2;
+        int32_t *cols = (int32_t *)malloc(sizeof(int32_t) * (size_t)k_int);
+        if (!gathered || !cols) {
+            free(gathered);
+            free(cols);
+            return -2;
+        }
+        for (int c = 0; c < k_int; c++) { /* each code column's input column, -1: reads zero */
+            const int64_t src = perm ? perm[c] : c;
+            cols[c] = src >= 0 && src < k_in ? (int32_t)src : -1;
+        }
+        /* 16 columns a vpgatherdd (a scalar loop took ~3 ns a value: act-order cost a 2,048-row GEMM
+         * 26-43% more than the same weight without it): each lane reads the 4 bytes at its value, of
+         * which the low 2 are it. The 2 after a row's last value belong to the next row (or its padding),
+         * so the last row, whose 2 may lie past x, is read one value at a time. */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int r = 0; r < M; r++)
-            for (int c = 0; c < k_int; c++) {
-                const int64_t src = perm ? perm[c] : c;
-                gathered[(size_t)r * k_int + c] = src >= 0 && src < k_in ? x[r * x_stride + src] : 0;
-            }
+        for (int r = 0; r < M; r++) {
+            const uint16_t *xr = x + (long)r * x_stride;
+            uint16_t *gr = gathered + (size_t)r * k_int;
+            int c = 0;
+            if (r + 1 < M)
+                for (; c + 16 <= k_int; c += 16) {
+                    const __m512i idx = _mm512_loadu_si512((const void *)(cols + c));
+                    const __mmask16 valid = _mm512_cmpge_epi32_mask(idx, _mm512_setzero_si512());
+                    const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx, xr, 2);
+                    _mm256_storeu_si256((__m256i *)(gr + c), _mm512_cvtepi32_epi16(v));
+                }
+            for (; c < k_int; c++) gr[c] = cols[c] >= 0 ? xr[cols[c]] : 0;
+        }
+        free(cols);
         x = gathered;
         x_stride = k_int;
     }
