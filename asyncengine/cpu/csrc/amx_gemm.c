@@ -311,8 +311,8 @@ static inline void store_group(const float *a0, const float *a1, int rows, int c
  * cut into at least ITEMS_PER_THREAD items (`per` halved as needed, at most STAGE_GROUPS; 2 rather than 4:
  * at M = 128, one row block, the shorter runs of 4 cost 1-2%); below (decode steps, GEMMs of tens of
  * microseconds, where shorter runs break the hardware prefetcher's streams across groups: 2-4% slower at
- * M = 1-64) a share is one item. Each output is computed by one thread in
- * the same order whichever thread that is: the result does not depend on the split. */
+ * M = 1-64) a share is one item. Each output is computed by one thread in the same order whichever thread
+ * that is: the result does not depend on the split. */
 #ifndef ITEMS_PER_THREAD
 #define ITEMS_PER_THREAD 2
 #endif
@@ -347,6 +347,13 @@ static inline long queue_take(long *q, int from_back) {
             return from_back ? back - 1 : front;
     }
 }
+/* Each thread's queue, full: every item of its share ahead; NULL when it cannot be allocated. */
+static long *share_queues(const Shares *s) {
+    long *queues = (long *)malloc(sizeof(long) * (size_t)s->threads);
+    if (queues)
+        for (int t = 0; t < s->threads; t++) queues[t] = (long)s->row_blocks * share_runs(s, t) << 32;
+    return queues;
+}
 /* The next item for thread `tid`: its own queue's front, else another's back; *owner: whose share. */
 static inline long next_item(long *queues, int threads, int tid, int *owner) {
     long j = queue_take(&queues[tid], 0);
@@ -374,9 +381,8 @@ int amx_linear_bf16(const uint16_t *x, long x_stride, const uint16_t *packed, co
     const int threads = num_threads > 0 ? num_threads : 1;
     const Shares shares =
         plan_shares(groups, threads, width == 4 ? 1 : (M + ROW_BLOCK - 1) / ROW_BLOCK, M >= LARGE_M);
-    long *queues = (long *)malloc(sizeof(long) * (size_t)threads);
+    long *queues = share_queues(&shares);
     if (!queues) return -2;
-    for (int t = 0; t < threads; t++) queues[t] = (long)shares.row_blocks * share_runs(&shares, t) << 32;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -670,12 +676,11 @@ int amx_linear_quant(const uint16_t *x, long x_stride, int k_in, const int64_t *
     /* the threads' shares and queues, as in amx_linear_bf16 */
     const int threads = num_threads > 0 ? num_threads : 1;
     const Shares shares = plan_shares(groups, threads, (M + ROW_BLOCK - 1) / ROW_BLOCK, M >= LARGE_M);
-    long *queues = (long *)malloc(sizeof(long) * (size_t)threads);
+    long *queues = share_queues(&shares);
     if (!queues) {
         free(gathered);
         return -2;
     }
-    for (int t = 0; t < threads; t++) queues[t] = (long)shares.row_blocks * share_runs(&shares, t) << 32;
 #pragma omp parallel num_threads(num_threads)
     {
         const int tid = omp_get_thread_num() % threads;
