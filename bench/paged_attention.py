@@ -5,7 +5,8 @@
     python bench/paged_attention.py --shapes 64x256 16x1024 --shared
 
 One decode row per sequence (batch B, L keys each), 12 heads x head_dim 64 (the bench's medium model),
-block size 16, block tables scattered at random over the cache (as after a while of serving); every
+block size 16, block tables scattered at random over the cache (as after a while of serving), the caches
+on the engine's pages (transparent huge pages where the KV prefault is on, cpu/prefault.py); every
 shape keeps 12 layers' K/V, cycled, so that each call reads from DRAM as a decode step does (batch 64 x
 256 keys: 600 MiB; a small batch's 12 layers fit in L3, as in its own decode step). Per shape: ms per
 layer, the K/V read rate, and that rate over the streaming-read rate measured in the same run (torch.sum
@@ -28,8 +29,11 @@ from common import OUT, STREAM_BYTES, load_line, machine_info, stream_read_secon
 
 import asyncengine  # noqa: E402, F401  (the installed package first)
 from asyncengine.cpu.attention import load_kernel_library, paged_attention  # noqa: E402
+from asyncengine.cpu.prefault import huge_pages_enabled  # noqa: E402
+from asyncengine.worker.model_runner import zeros  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK, LAYERS = 12, 64, 16, 12
+CPU = torch.device("cpu")
 
 
 def measure(batch: int, keys: int, shared: bool, repeat: int, dtype: torch.dtype) -> dict[str, Any]:
@@ -39,8 +43,10 @@ def measure(batch: int, keys: int, shared: bool, repeat: int, dtype: torch.dtype
     gen = torch.Generator().manual_seed(0)
     per_seq = -(-keys // BLOCK)
     num_blocks = batch * per_seq + 1
+    shape = (num_blocks, BLOCK, HEADS, HEAD_DIM)
+    huge = huge_pages_enabled()  # the pages the engine's cache is on (cpu/prefault.py)
     caches = [
-        tuple(torch.randn(num_blocks, BLOCK, HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+        tuple(zeros(shape, dtype, CPU, huge).copy_(torch.randn(shape, generator=gen)) for _ in range(2))
         for _ in range(LAYERS)
     ]
     tables = torch.randperm(num_blocks, generator=gen)[: batch * per_seq].view(batch, per_seq)

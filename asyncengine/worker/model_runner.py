@@ -8,7 +8,6 @@ computes logits and samples.
 from __future__ import annotations
 
 import math
-import mmap
 from typing import NamedTuple
 
 import numpy as np
@@ -19,7 +18,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.cpu import gemm as cpu_gemm
 from asyncengine.cpu.kernel_graph import KernelGraphRunner, kernel_graphs_apply
 from asyncengine.cpu.malloc import keep_freed_memory
-from asyncengine.cpu.prefault import Prefaulter
+from asyncengine.cpu.prefault import Prefaulter, anonymous_buffer, huge_pages_enabled
 from asyncengine.cpu.prefault import enabled as prefault_enabled
 from asyncengine.cuda.graph_runner import GraphRunner, ModelInputs
 from asyncengine.layers.attention import Attention, AttentionMetadata, forward_context
@@ -44,18 +43,21 @@ def mask_logits(
     apply_token_bitmask_(logits, masks[[k for _, k in present]], rows)
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge_pages: bool = False
+) -> torch.Tensor:
     """A zero-filled tensor; on CPU over an anonymous mmap, whose pages the OS zero-fills on first touch.
 
     torch.zeros writes every byte up front: ~1 s for the default 4 GiB CPU KV cache, most of a tiny
     model's start-up. Reads of never-written slots still see zeros (masked-out keys must be finite).
-    The pages are then faulted in by a low-priority thread (cpu/prefault.py) while the engine idles."""
+    The pages are then faulted in by a low-priority thread (cpu/prefault.py) while the engine idles;
+    `huge_pages` maps them as transparent huge pages (see there)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
     if not count:
         return torch.zeros(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size())
+    buffer = anonymous_buffer(count * torch.empty((), dtype=dtype).element_size(), huge_pages)
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)  # the tensor keeps the mmap alive
 
 
@@ -112,10 +114,11 @@ class ModelRunner:
     def init_cache(self, num_blocks: int) -> None:
         """Allocates every layer's cache, plus one scratch block that padding rows write into."""
         self.kv_caches = []
+        huge = self.device.type == "cpu" and huge_pages_enabled()  # only a prefaulted cache (cpu/prefault.py)
         for layer in self.attention_layers:
             shape = (num_blocks + 1, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = zeros(shape, self.kv_dtype, self.device)
-            layer.v_cache = zeros(shape, self.kv_dtype, self.device)
+            layer.k_cache = zeros(shape, self.kv_dtype, self.device, huge)
+            layer.v_cache = zeros(shape, self.kv_dtype, self.device, huge)
             self.kv_caches.append((layer.k_cache, layer.v_cache))
         if self.prefaulter is not None:
             self.prefaulter.close()

@@ -1,5 +1,6 @@
 """The CPU KV cache's pages are faulted in by a background thread (cpu/prefault.py): afterwards writing
-every page takes no page fault, the contents are untouched, and a ModelRunner starts and stops one."""
+every page takes no page fault, the contents are untouched, a ModelRunner starts and stops one, and a
+prefaulted cache sits on transparent huge pages."""
 
 from __future__ import annotations
 
@@ -74,3 +75,40 @@ def test_a_model_runner_prefaults_its_cache_and_stops_on_close(
     assert not filler._thread.is_alive()
     expected = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
     assert filler.populated in (0, expected)  # 0: a kernel without MADV_POPULATE_WRITE
+
+
+def anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address`, from /proc/self/smaps."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_a_prefaulted_cache_is_on_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCENGINE_CPU_KV_PREFAULT", "1")
+    assert prefault.huge_pages_enabled()
+    monkeypatch.setenv("ASYNCENGINE_CPU_KV_HUGEPAGES", "0")
+    assert not prefault.huge_pages_enabled()
+    try:
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        thp = "[never]"
+    if "[never]" in thp:
+        pytest.skip("transparent huge pages are off on this system")
+    cache = zeros((16 << 20,), torch.float32, torch.device("cpu"), huge_pages=True)  # 64 MiB
+    cache[:10] = torch.arange(10.0)
+    filler = prefault.Prefaulter([cache], step_bytes=8 << 20)
+    if not filler.run():
+        pytest.skip("this kernel refuses MADV_POPULATE_WRITE")
+    assert torch.equal(cache[:10], torch.arange(10.0)) and not cache[10:].any()
+    # 2 MiB pages (not necessarily all: the kernel falls back to small ones where memory is fragmented)
+    assert anon_huge_kib(cache.data_ptr()) > 0
+    plain = zeros((16 << 20,), torch.float32, torch.device("cpu"))
+    assert prefault.Prefaulter([plain]).run()
+    assert anon_huge_kib(plain.data_ptr()) == 0
