@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""bfloat16 prompt attention against torch's SDPA: csrc/bf16_attention.c (AVX512-BF16, for CPUs without
-AMX) or csrc/amx_attention.c (AMX tiles).
+"""Prompt attention against torch's SDPA: in bfloat16 csrc/bf16_attention.c (AVX512-BF16, for CPUs without
+AMX) or csrc/amx_attention.c (AMX tiles), in float32 csrc/f32_attention.c (AVX-512 FMAs).
 
     python bench/prompt_attention.py                 # kernel GF/s, then the end-to-end prefill A/B
     python bench/prompt_attention.py --no-e2e        # kernel rows only
     python bench/prompt_attention.py --kernel amx    # the AMX kernel's rows (no end-to-end A/B: the
                                                      # engine has no switch for AMX attention alone)
+    python bench/prompt_attention.py --kernel f32    # the float32 kernel, then its end-to-end A/B
 
 Kernel rows: one causal prompt of L tokens, 12 heads x head_dim 64 (the bench's medium model), --threads
 threads; GF/s count the causal half only (2 products x 2 flops x H x D x L (L + 1) / 2), the same for
@@ -14,9 +15,10 @@ shared: read the ratio). "step" rows: several prompts in one kernel call against
 as the backend makes them.
 
 End-to-end: asyncengine LLM.generate of bench/sweep.py's cell "p512-2048/prefill" (64 prompts of
-512-2048 tokens, max_tokens=1, cold prefix cache), model medium4k in bfloat16, --threads threads. Two
-engines stay loaded, one with the kernel and one with ASYNCENGINE_CPU_BF16_ATTENTION=0 (the SDPA path;
-the variable is read in the worker processes, set when each engine spawns them), and the runs alternate.
+512-2048 tokens, max_tokens=1, cold prefix cache), model medium4k in the kernel's dtype, --threads
+threads. Two engines stay loaded, one with the kernel and one with its switch off
+(ASYNCENGINE_CPU_BF16_ATTENTION=0 or ASYNCENGINE_CPU_F32_ATTENTION=0: the SDPA path; the variable is read
+in the worker processes, set when each engine spawns them), and the runs alternate.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 import asyncengine  # noqa: F401  (the installed package first)
+from asyncengine.cpu import bf16_attention, f32_attention
 from asyncengine.cpu.attention import amx_prompt_attention, load_amx_library
-from asyncengine.cpu.bf16_attention import ENV, bf16_prompt_attention, load_library
 from asyncengine.layers.attention_torch import causal_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,14 +53,38 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
-KERNELS = {"bf16": (bf16_prompt_attention, load_library), "amx": (amx_prompt_attention, load_amx_library)}
+class Kernel(NamedTuple):
+    fn: Callable[..., bool]
+    load: Callable[[], object]
+    dtype: torch.dtype
+    switch: str | None  # the engine's environment switch for it alone (the end-to-end A/B), if any
+    needs: str  # what the CPU must have
+
+
+KERNELS = {
+    "bf16": Kernel(
+        bf16_attention.bf16_prompt_attention,
+        bf16_attention.load_library,
+        torch.bfloat16,
+        bf16_attention.ENV,
+        "AVX512-BF16",
+    ),
+    "amx": Kernel(amx_prompt_attention, load_amx_library, torch.bfloat16, None, "AMX-BF16"),
+    "f32": Kernel(
+        f32_attention.f32_prompt_attention,
+        f32_attention.load_library,
+        torch.float32,
+        f32_attention.ENV,
+        "AVX-512",
+    ),
+}
 
 
 def time_case(lens: list[int], heads: int, dim: int, repeat: int, which: str = "bf16") -> tuple[float, float]:
     """(SDPA, kernel) seconds for causal prompts of `lens` tokens: one kernel call, one SDPA call each."""
     torch.manual_seed(0)
     scale, t = dim**-0.5, sum(lens)
-    q, k, v = (torch.randn(t, heads, dim).to(torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(t, heads, dim).to(KERNELS[which].dtype) for _ in range(3))
     out = torch.empty_like(q)
     seqs, start = [], 0
     for n in lens:
@@ -64,7 +92,7 @@ def time_case(lens: list[int], heads: int, dim: int, repeat: int, which: str = "
         start += n
 
     def kernel() -> None:
-        assert KERNELS[which][0](q, k, v, out, seqs, scale, None)
+        assert KERNELS[which].fn(q, k, v, out, seqs, scale, None)
 
     def sdpa() -> None:
         for s, n, _, _ in seqs:
@@ -90,7 +118,7 @@ def kernel_rows(threads: int, repeat: int, which: str = "bf16") -> list[list[obj
     return rows
 
 
-def e2e_rows(threads: int, rounds: int, kv_gib: float) -> list[list[object]]:
+def e2e_rows(threads: int, rounds: int, kv_gib: float, kernel: Kernel) -> list[list[object]]:
     from sweep import MAX_MODEL_LEN, cells
 
     from asyncengine import LLM, SamplingParams
@@ -99,17 +127,17 @@ def e2e_rows(threads: int, rounds: int, kv_gib: float) -> list[list[object]]:
     model = build_model("medium4k")
     engines = {}
     for mode, value in (("kernel", "1"), ("sdpa", "0")):
-        os.environ[ENV] = value  # inherited by the worker processes this engine spawns
+        os.environ[kernel.switch] = value  # inherited by the worker processes this engine spawns
         engines[mode] = LLM(
             model=str(model),
-            dtype="bfloat16",
+            dtype=str(kernel.dtype).removeprefix("torch."),
             num_threads=threads,
             max_num_seqs=256,
             max_num_batched_tokens=2048,
             kv_cache_memory_bytes=int(kv_gib * 2**30),
             max_model_len=MAX_MODEL_LEN,
         )
-    os.environ.pop(ENV)
+    os.environ.pop(kernel.switch)
     params = [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True) for _ in wl.prompts]
     times: dict[str, list[float]] = {m: [] for m in engines}
     firsts: dict[str, list[int]] = {}
@@ -146,18 +174,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-e2e", action="store_true")
     p.add_argument("--kernel", choices=sorted(KERNELS), default="bf16")
     args = p.parse_args(argv)
-    if KERNELS[args.kernel][1]() is None:
-        print(f"no {'AMX-BF16' if args.kernel == 'amx' else 'AVX512-BF16'} on this CPU (or no C compiler)")
+    kernel = KERNELS[args.kernel]
+    if kernel.load() is None:
+        print(f"no {kernel.needs} on this CPU (or no C compiler)")
         return 1
-    print(f"bfloat16 causal prompt attention ({args.kernel} kernel), 12 heads x 64, {args.threads} threads")
+    dtype = str(kernel.dtype).removeprefix("torch.")
+    print(f"{dtype} causal prompt attention ({args.kernel} kernel), 12 heads x 64, {args.threads} threads")
     headers = ["prompts", "SDPA ms", "kernel ms", "SDPA GF/s", "kernel GF/s", "speed-up"]
     print(table(headers, kernel_rows(args.threads, args.repeat, args.kernel)))
-    if not args.no_e2e and args.kernel == "bf16":
+    if not args.no_e2e and kernel.switch is not None:
         print(
-            f"\nprefill-only, p512-2048 (64 prompts, max_tokens=1), medium4k bfloat16, {args.threads} threads"
+            f"\nprefill-only, p512-2048 (64 prompts, max_tokens=1), medium4k {dtype}, {args.threads} threads"
         )
         headers = ["attention", "best s", "median s", "prompt tok/s", "speed-up"]
-        print(table(headers, e2e_rows(args.threads, args.rounds, args.kv_gib)))
+        print(table(headers, e2e_rows(args.threads, args.rounds, args.kv_gib, kernel)))
     return 0
 
 

@@ -4,8 +4,9 @@ The PyTorch reference has to gather every sequence's blocks into a padded tensor
 dominates a CPU decode step (measured: ~80% of it at batch 64). The paged kernel (cpu/csrc/paged_attention.c)
 walks the block table instead. Prompts and prompt chunks of 16+ rows are dense work: in bfloat16 on a CPU
 with AMX they go to cpu/csrc/amx_attention.c (all of a step's chunks in one call), without AMX but with
-AVX512-BF16 to cpu/csrc/bf16_attention.c (the same interface, vdpbf16ps products), otherwise to torch's
-SDPA, one call per prompt.
+AVX512-BF16 to cpu/csrc/bf16_attention.c (the same interface, vdpbf16ps products); in float32 on an
+AVX-512 CPU to cpu/csrc/f32_attention.c (the same interface, FMAs); otherwise to torch's SDPA, one call
+per prompt.
 
 Without a compiler, or for dtypes and shapes the kernel does not cover, the reference backend is used.
 """
@@ -19,6 +20,7 @@ import torch
 
 from asyncengine.cpu.attention import amx_prompt_attention, load_kernel_library, paged_attention, paged_kernel
 from asyncengine.cpu.bf16_attention import bf16_prompt_attention
+from asyncengine.cpu.f32_attention import f32_prompt_attention
 from asyncengine.layers.attention_backend import AttentionMetadata
 from asyncengine.layers.attention_torch import TorchAttentionBackend, causal_attention, gather_kv
 
@@ -35,11 +37,11 @@ def _prompt_kernel(
     sliding_window: int | None,
     tables: torch.Tensor | None = None,
 ) -> bool:
-    """The prompt chunks `seqs` by a C kernel, AMX first, then AVX512-BF16 (both decline, writing nothing,
-    where they do not apply: the AVX512-BF16 one only takes head_dim 64 and 128); False: SDPA's turn."""
-    return amx_prompt_attention(q, k, v, out, seqs, scale, sliding_window, tables) or bf16_prompt_attention(
-        q, k, v, out, seqs, scale, sliding_window, tables
-    )
+    """The prompt chunks `seqs` by a C kernel: in bfloat16 AMX first, then AVX512-BF16, in float32 the
+    AVX-512 one (each declines, writing nothing, where it does not apply: the AVX512-BF16 one only takes
+    head_dim 64 and 128); False: SDPA's turn."""
+    args = (q, k, v, out, seqs, scale, sliding_window, tables)
+    return amx_prompt_attention(*args) or bf16_prompt_attention(*args) or f32_prompt_attention(*args)
 
 
 class _StepArgs(NamedTuple):
@@ -118,11 +120,12 @@ class CpuAttentionBackend:
         scale: float,
         sliding_window: int | None,
     ) -> None:
-        """The dense rows. With a bfloat16 cache on AMX or AVX512-BF16: every prompt chunk in one call that
-        reads its keys in place through the block tables (this step's were written before attention), fresh
-        prompts and chunks after cached context alike. Otherwise (a float8 cache, a head_dim the kernels do
-        not take) fresh prompts attend over this step's keys and chunks after cached context over their
-        gathered blocks, by a kernel where the dtype then fits, else one SDPA call each."""
+        """The dense rows. With a bfloat16 cache on AMX or AVX512-BF16, or a float32 one on AVX-512: every
+        prompt chunk in one call that reads its keys in place through the block tables (this step's were
+        written before attention), fresh prompts and chunks after cached context alike. Otherwise (a
+        float8 cache, a head_dim the kernels do not take) fresh prompts attend over this step's keys and
+        chunks after cached context over their gathered blocks, by a kernel where the dtype then fits, else
+        one SDPA call each."""
         start, dense = 0, []
         for i, (q_len, seq_len, is_dense) in enumerate(
             zip(meta.query_lens_cpu, meta.seq_lens_cpu, step.dense)

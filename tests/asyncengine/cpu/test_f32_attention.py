@@ -1,0 +1,134 @@
+"""The float32 prompt-attention kernel (csrc/f32_attention.c) against a float64 softmax and torch's SDPA: as
+accurate as SDPA (both keep every product and P in float32), the paged path equal bit for bit to the same
+call on gathered keys, and the backend routing float32 prompt chunks to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_amx_attention import exact
+from test_attention_cpu import build_batch
+
+from asyncengine.cpu.f32_attention import ENV, f32_prompt_attention, load_library
+from asyncengine.layers.attention_cpu import CpuAttentionBackend
+from asyncengine.layers.attention_torch import TorchAttentionBackend, causal_attention, gather_kv
+
+pytestmark = pytest.mark.skipif(
+    load_library() is None, reason="the CPU has no AVX-512 (or there is no C compiler)"
+)
+
+
+def run_prompts(
+    lens: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, window: int | None
+) -> tuple:
+    """Prompts of (query rows, key rows) through the kernel, keys and values strided views of one
+    projection output; checks that nothing was written outside the rows."""
+    num_heads, num_kv_heads = heads
+    torch.manual_seed(0)
+    t, s = sum(q for q, _ in lens), sum(kv for _, kv in lens)
+    q = torch.randn(t, num_heads, head_dim)
+    kv = torch.randn(s, 2, num_kv_heads, head_dim)
+    k, v = kv[:, 0], kv[:, 1]
+    sentinel = torch.full((t + 3, num_heads, head_dim), 7.0)
+    out = sentinel[1 : t + 1]
+    seqs, qs, ks = [], 0, 0
+    for q_len, kv_len in lens:
+        seqs.append((qs, q_len, ks, kv_len))
+        qs, ks = qs + q_len, ks + kv_len
+    assert f32_prompt_attention(q, k, v, out, seqs, head_dim**-0.5, window)
+    assert (sentinel[0] == 7).all() and (sentinel[t + 1 :] == 7).all()  # nothing written outside the rows
+    return q, k, v, out, seqs
+
+
+def check(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> None:
+    """got against SDPA (float32-close) and against the exact result: no less accurate than SDPA."""
+    ref = causal_attention(q, k, v, q.shape[2] ** -0.5, window)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    e = exact(q, k, v, window)
+    err_kernel, err_sdpa = (got.double() - e).abs().max(), (ref.double() - e).abs().max()
+    assert err_kernel <= 2 * err_sdpa + 1e-6
+
+
+@pytest.mark.parametrize(
+    "heads,head_dim", [((12, 12), 64), ((8, 2), 128), ((6, 1), 16), ((2, 2), 256), ((4, 2), 80)]
+)
+@pytest.mark.parametrize("window", [None, 7, 40, 150])
+@pytest.mark.parametrize(
+    "lens",
+    [
+        [(1, 1), (15, 15), (16, 16), (17, 17), (100, 100)],  # fresh prompts around the 16-row tiles
+        [(513, 513)],  # one long prompt: several 64-key blocks, the unfused work split
+        [(20, 50), (16, 97), (1, 64), (70, 200)],  # chunks after cached context
+    ],
+)
+def test_matches_sdpa_and_is_as_accurate(heads, head_dim, window, lens) -> None:
+    q, k, v, out, seqs = run_prompts(lens, heads, head_dim, window)
+    for q0, q_len, k0, kv_len in seqs:
+        check(out[q0 : q0 + q_len], q[q0 : q0 + q_len], k[k0 : k0 + kv_len], v[k0 : k0 + kv_len], window)
+
+
+def test_many_sequences_take_the_fused_split() -> None:
+    """With 4+ (sequence, KV head) units per thread each thread packs a unit and runs its query tiles."""
+    lens = [(n, n) for n in (1, 15, 16, 17, 100, 513, 64, 65)] + [(40, 300), (16, 16)]
+    q, k, v, out, seqs = run_prompts(lens, (12, 12), 64, None)
+    for q0, q_len, k0, kv_len in seqs:
+        check(out[q0 : q0 + q_len], q[q0 : q0 + q_len], k[k0 : k0 + kv_len], v[k0 : k0 + kv_len], None)
+
+
+def test_rows_outside_the_call_are_untouched_and_a_row_is_batch_independent() -> None:
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(40, 4, 64) for _ in range(3))
+    alone = torch.zeros_like(q)
+    assert f32_prompt_attention(q, k, v, alone, [(10, 30, 10, 30)], 0.125, None)
+    assert (alone[:10] == 0).all()
+    together = torch.zeros_like(q)
+    assert f32_prompt_attention(q, k, v, together, [(0, 10, 0, 10), (10, 30, 10, 30)], 0.125, None)
+    assert torch.equal(alone[10:], together[10:])
+
+
+def test_declines_what_it_does_not_cover(monkeypatch) -> None:
+    q = torch.randn(8, 2, 72)  # head_dim not a multiple of 16: SDPA keeps it
+    assert not f32_prompt_attention(q, q, q, torch.empty_like(q), [(0, 8, 0, 8)], 0.1, None)
+    q16 = torch.randn(8, 2, 64).to(torch.bfloat16)  # bfloat16: the bfloat16 kernels' (or SDPA's)
+    assert not f32_prompt_attention(q16, q16, q16, torch.empty_like(q16), [(0, 8, 0, 8)], 0.1, None)
+    monkeypatch.setenv(ENV, "0")  # the switch the benches' A/B use
+    q32 = torch.randn(8, 2, 64)
+    assert not f32_prompt_attention(q32, q32, q32, torch.empty_like(q32), [(0, 8, 0, 8)], 0.1, None)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_keys_match_gathered_ones(head_dim, window) -> None:
+    """With block tables the kernel reads keys in place from the cache (shuffled blocks), chunks after a
+    cached prefix included: the same bits as the same call on the gathered keys, and close to SDPA."""
+    lens, context = [40, 1, 23, 30, 130], [0, 30, 50, 16, 70]
+    q, _, _, kc, vc, meta = build_batch(lens, context, 12, 2, head_dim, 16, torch.float32)
+    tables = meta.block_tables.to(torch.int32).contiguous()
+    seqs, start = [], 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        seqs.append((start, q_len, i, seq_len))
+        start += q_len
+    paged = torch.zeros_like(q)
+    assert f32_prompt_attention(q, kc, vc, paged, seqs, head_dim**-0.5, window, tables)
+    for s, n, i, seq_len in seqs:
+        keys = gather_kv(kc, meta.block_tables[i], seq_len, q.dtype)
+        values = gather_kv(vc, meta.block_tables[i], seq_len, q.dtype)
+        alone = torch.zeros_like(q)
+        assert f32_prompt_attention(q, keys, values, alone, [(s, n, 0, seq_len)], head_dim**-0.5, window)
+        assert torch.equal(paged[s : s + n], alone[s : s + n])
+        check(paged[s : s + n], q[s : s + n], keys, values, window)
+
+
+@pytest.mark.parametrize("query_lens,context_lens", [([40, 1, 23], [0, 30, 0]), ([20, 17, 100], [16, 50, 0])])
+def test_backend_routes_float32_prompts_to_the_kernel(query_lens, context_lens, monkeypatch) -> None:
+    """The backend's dense float32 rows go to the kernel (one call, through the block tables) next to decode
+    rows of the paged kernel: close to the reference backend, and not SDPA's result bit for bit (so the
+    kernel did run); with the switch off, the SDPA path."""
+    q, k, v, kc, vc, meta = build_batch(query_lens, context_lens, 8, 2, 64, 16, torch.float32)
+    got = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
+    ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    monkeypatch.setenv(ENV, "0")
+    sdpa = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
+    torch.testing.assert_close(sdpa, ref, atol=2e-5, rtol=1e-4)
+    assert not torch.equal(got, sdpa)
