@@ -6,12 +6,12 @@
 
 One decode row per sequence (batch B, L keys each), 12 heads x head_dim 64 (the bench's medium model),
 block size 16, block tables scattered at random over the cache (as after a while of serving), the caches
-on the engine's pages (transparent huge pages where the KV prefault is on, cpu/prefault.py); every
-shape keeps 12 layers' K/V, cycled, so that each call reads from DRAM as a decode step does (batch 64 x
-256 keys: 600 MiB; a small batch's 12 layers fit in L3, as in its own decode step). Per shape: ms per
-layer, the K/V read rate, and that rate over the streaming-read rate measured in the same run (torch.sum
-over 1 GiB). --shared also runs each shape with half of every table pointing at one prefix (read once
-per group of rows). The fastest of --repeat passes over the 12 layers. Writes bench/out/paged_attention.json.
+on the engine's pages (4 KiB; 2 MiB with ASYNCENGINE_CPU_KV_HUGEPAGES=1, cpu/prefault.py); every shape
+keeps 12 layers' K/V, cycled, so that each call reads from DRAM as a decode step does (batch 64 x 256
+keys: 600 MiB; a small batch's 12 layers fit in L3, as in its own decode step). Per shape: ms per layer,
+the K/V read rate, and that rate over the streaming-read rate measured in the same run (torch.sum over 1
+GiB). --shared also runs each shape with half of every table pointing at one prefix (read once per group
+of rows). The fastest of --repeat passes over the 12 layers. Writes bench/out/paged_attention.json.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ asyncengine.layers.attention_cpu.CpuAttentionBackend.
 from __future__ import annotations
 
 import ctypes
+import os
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -227,3 +229,72 @@ def run_prompt_kernel(
             f"{name} attention kernel rejected the call (heads {q.shape[1]}/{k.shape[1]}, head_dim "
             f"{head_dim}, or a chunk with more query rows than keys)"
         )
+
+
+class PromptKernel:
+    """A C prompt-attention kernel of run_prompt_kernel's signature in a library of its own
+    (csrc/bf16_attention.c, csrc/f32_attention.c), for one dtype: built with -march=native on first use,
+    where the library's `<name>_available()` says the CPU can run it; `env`=0 keeps it off, read on every
+    call so that a bench can switch it within one process."""
+
+    def __init__(
+        self, name: str, dtype: torch.dtype, env: str, takes_head_dim: Callable[[int], bool], label: str
+    ) -> None:
+        self.name, self.dtype, self.env, self.label = name, dtype, env, label
+        self.source = Path(__file__).parent / "csrc" / f"{name}.c"
+        self.takes_head_dim = takes_head_dim
+        self._lib: ctypes.CDLL | None | bool = False  # False: not loaded yet
+
+    def allowed(self) -> bool:
+        return os.environ.get(self.env, "1") != "0"
+
+    def load_library(self) -> ctypes.CDLL | None:
+        """The kernel library, or None where it cannot run: no compiler, or not this CPU's."""
+        if self._lib is False:
+            lib = build_library(self.source)
+            if lib is not None:
+                available = getattr(lib, f"{self.name}_available")
+                available.restype, available.argtypes = ctypes.c_int, []
+                fn = self.kernel(lib)
+                fn.restype, fn.argtypes = ctypes.c_int, PROMPT_KERNEL_ARGTYPES
+                lib = lib if available() else None
+            self._lib = lib
+        return self._lib or None
+
+    def kernel(self, lib: ctypes.CDLL) -> Any:
+        return getattr(lib, f"{self.name}_{self.label}")
+
+    def available(self) -> bool:
+        return self.allowed() and self.load_library() is not None
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows contiguous
+        k: torch.Tensor,  # [num_keys, num_kv_heads, head_dim] (row stride free), or a paged cache
+        v: torch.Tensor,
+        out: torch.Tensor,  # like q; the rows of `seqs` are written
+        seqs: list[tuple[int, int, int, int]],  # (first query row, query rows, first key row, key rows)
+        scale: float,
+        sliding_window: int | None,
+        tables: torch.Tensor | None = None,  # [num_seqs, max_blocks] int32: k, v [num_blocks, block, Hkv, D]
+    ) -> bool:
+        """Causal attention of prompt chunks, all of `seqs` in one call; False where the kernel does not
+        apply (the CPU lacks it, switched off, another dtype or head_dim), and nothing is written.
+
+        With `tables`, each sequence's keys are read in place from the paged cache k / v through its block
+        table, and a sequence's third field is the row of `tables` that holds that table."""
+        # the shape and dtype first: a worker of another dtype never builds the library
+        if (
+            q.dtype != self.dtype
+            or k.dtype != self.dtype
+            or v.dtype != self.dtype
+            or not self.takes_head_dim(q.shape[-1])
+            or q.device.type != "cpu"
+            or not self.allowed()
+        ):
+            return False
+        lib = self.load_library()
+        if lib is None:
+            return False
+        run_prompt_kernel(self.kernel(lib), self.label, q, k, v, out, seqs, scale, sliding_window, tables)
+        return True

@@ -12,70 +12,13 @@ that a bench can switch it within one process.
 
 from __future__ import annotations
 
-import ctypes
-import os
-from functools import cache
-from pathlib import Path
-
 import torch
 
-from asyncengine.cpu.attention import PROMPT_KERNEL_ARGTYPES, run_prompt_kernel
-from asyncengine.cpu.build import build_library
+from asyncengine.cpu.attention import PromptKernel
 
-SOURCE = Path(__file__).parent / "csrc" / "bf16_attention.c"
 HEAD_DIMS = (64, 128)  # compiled into the kernel's register blocking
 ENV = "ASYNCENGINE_CPU_BF16_ATTENTION"
 
-
-def allowed() -> bool:
-    return os.environ.get(ENV, "1") != "0"
-
-
-@cache
-def load_library() -> ctypes.CDLL | None:
-    """The kernel library, or None where it cannot run: no compiler, or no AVX512-BF16."""
-    lib = build_library(SOURCE)
-    if lib is None:
-        return None
-    lib.bf16_attention_available.restype = ctypes.c_int
-    lib.bf16_attention_available.argtypes = []
-    lib.bf16_attention_bf16.restype = ctypes.c_int
-    lib.bf16_attention_bf16.argtypes = PROMPT_KERNEL_ARGTYPES
-    return lib if lib.bf16_attention_available() else None
-
-
-def available() -> bool:
-    return allowed() and load_library() is not None
-
-
-def bf16_prompt_attention(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim] bfloat16, rows contiguous
-    k: torch.Tensor,  # [num_keys, num_kv_heads, head_dim] bfloat16 (row stride free), or a paged cache
-    v: torch.Tensor,
-    out: torch.Tensor,  # like q; the rows of `seqs` are written
-    seqs: list[tuple[int, int, int, int]],  # (first query row, query rows, first key row, key rows)
-    scale: float,
-    sliding_window: int | None,
-    tables: torch.Tensor | None = None,  # [num_seqs, max_blocks] int32: k / v are [num_blocks, block, Hkv, D]
-) -> bool:
-    """Causal attention of prompt chunks, all of `seqs` in one call; False where the kernel does not apply
-    (no AVX512-BF16, switched off, another dtype, head_dim not 64 or 128), and nothing is written.
-
-    With `tables`, each sequence's keys are read in place from the paged cache k / v through its block
-    table, and a sequence's third field is the row of `tables` that holds that table."""
-    head_dim = q.shape[-1]
-    # the shape and dtype first: a float32 worker never builds the library
-    if (
-        q.dtype != torch.bfloat16
-        or k.dtype != torch.bfloat16
-        or v.dtype != torch.bfloat16
-        or head_dim not in HEAD_DIMS
-        or q.device.type != "cpu"
-        or not allowed()
-    ):
-        return False
-    lib = load_library()
-    if lib is None:
-        return False
-    run_prompt_kernel(lib.bf16_attention_bf16, "bf16", q, k, v, out, seqs, scale, sliding_window, tables)
-    return True
+bf16_prompt_attention = PromptKernel("bf16_attention", torch.bfloat16, ENV, HEAD_DIMS.__contains__, "bf16")
+load_library = bf16_prompt_attention.load_library
+available = bf16_prompt_attention.available

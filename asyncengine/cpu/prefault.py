@@ -14,14 +14,15 @@ populating never changes a page's contents, so it may race with the worker writi
 is unknown (older kernels, other systems) it stops at the first refusal and the pages fault in as before.
 ASYNCENGINE_CPU_KV_PREFAULT=0 turns it off.
 
-A prefaulted cache is also mapped with transparent huge pages (`anonymous_buffer`): a private anonymous
-mapping with MADV_HUGEPAGE, so that the decode attention kernel, which reads K/V blocks scattered over
-the whole cache (24 KiB each on the bench's model), walks 2 MiB pages instead of 4 KiB ones: per
-`python bench/decode_step.py --dtypes bfloat16` (batch 64, 603 MiB of K/V, interleaved runs) its
-attention took 32.2-32.6 ms a step against 34.8-36.1 on 4 KiB pages. Without the prefault the pages
-would fault in 2 MiB at a time inside the steps (each a zero-fill of 2 MiB, possibly with a synchronous
-compaction under this VM's `defrag=madvise`: measured 9-10 s -> 12-13 s end to end on 2026-12-03), so
-huge pages go with it. ASYNCENGINE_CPU_KV_HUGEPAGES=0 keeps 4 KiB pages.
+`ASYNCENGINE_CPU_KV_HUGEPAGES=1` also maps a prefaulted cache with transparent huge pages
+(`anonymous_buffer`: a private anonymous mapping with MADV_HUGEPAGE, faulted in 2 MiB at a time by the
+thread above). Off by default, as measured: decode attention over K/V blocks scattered over the cache
+reads them faster on 2 MiB pages (`python bench/paged_attention.py`: 19.9-21.0 GB/s against 18.4-19.2) and
+a ModelRunner's batch-64 bfloat16 decode step gains ~5% (`python bench/decode_step.py`), but end to end
+through the engine (two engines side by side, runs alternating, 2026-12-06) bfloat16 was level and
+float32 slower with them: a decode-heavy float32 cell 33.2-35.0 s against 28.9-32.1, its prefill-only
+cell 13.8-15.1 against 13.1-13.8. (On 2 MiB pages a cache block's physical address follows its
+virtual one, where 4 KiB pages scatter them over cache sets; which costs what was not pinned down.)
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def enabled() -> bool:
 
 
 def huge_pages_enabled() -> bool:
-    wanted = os.environ.get("ASYNCENGINE_CPU_KV_HUGEPAGES", "1") != "0"
+    wanted = os.environ.get("ASYNCENGINE_CPU_KV_HUGEPAGES", "0") == "1"
     return enabled() and wanted and hasattr(mmap, "MADV_HUGEPAGE")
 
 

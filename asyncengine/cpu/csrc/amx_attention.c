@@ -39,7 +39,8 @@ static inline int min_int(int a, int b) { return a < b ? a : b; }
 int amx_attention_available(void) { return request_tiles(); }
 
 /* Sequence s, KV head g: its keys and values into B tiles kt / vt, zero past its length. */
-static void pack_kv(const Call *c, int s, int g, uint16_t *kt, uint16_t *vt) {
+static void pack_kv(const Call *c, int s, int g, Unit u) {
+    uint16_t *kt = u.k, *vt = u.v;
     const int len = c->seqs[4 * s + 3], D = c->D;
     const uint16_t *k = c->k + g * D, *v = c->v + g * D;
     const int DB32 = D / 32, DB16 = D / 16;
@@ -220,8 +221,9 @@ static inline void scale_rows(float *O, int D, int nr, const float *alpha) {
 }
 
 /* Query rows QT t .. QT t + QT - 1 of sequence s, head h, over K / V tiles kt / vt of its KV head. */
-static void query_tile(const Call *c, const Scratch *w, int s, int h, int t, const uint16_t *kt,
-                       const uint16_t *vt) {
+static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u) {
+    const Scratch *w = scratch;
+    const uint16_t *kt = u.k, *vt = u.v;
     const int D = c->D, window = c->window;
     /* exp(x * scale - max) = 2^(x * c2 - max * c2): the scale and the change of base in one multiply */
     const __m512 c2v = _mm512_set1_ps(c->scale * 1.44269504088896341f);
@@ -330,7 +332,6 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
     const Call c = {q, k, v, out, q_stride, k_stride, v_stride, out_stride, seqs, tables, table_stride,
                     block_size, H, Hkv, D, window, scale};
     /* clang-format on */
-    const int group = H / Hkv;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -346,30 +347,7 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
 #pragma omp barrier
         if (!failed) {
             configure_tiles(16);
-            if (p.fused) {
-#pragma omp for schedule(dynamic, 1)
-                for (long i = 0; i < p.n_work; i++) {
-                    const int s = p.work[i].index / Hkv, g = p.work[i].index % Hkv,
-                              tiles = (seqs[4 * s + 1] + QT - 1) / QT;
-                    const UnitTiles u = unit_tiles(p.kv, p.base, seqs, s, g, D);
-                    pack_kv(&c, s, g, u.k, u.v);
-                    for (int h = g * group; h < (g + 1) * group; h++)
-                        for (int t = tiles - 1; t >= 0; t--) query_tile(&c, &w, s, h, t, u.k, u.v);
-                }
-            } else {
-#pragma omp for schedule(dynamic, 1)
-                for (int i = 0; i < p.units; i++) {
-                    const UnitTiles u = unit_tiles(p.kv, p.base, seqs, i / Hkv, i % Hkv, D);
-                    pack_kv(&c, i / Hkv, i % Hkv, u.k, u.v);
-                }
-#pragma omp for schedule(dynamic, 1)
-                for (long i = 0; i < p.n_work; i++) {
-                    int s, t, h;
-                    unfused_item(&p.work[i], seqs, H, QT, &s, &t, &h);
-                    const UnitTiles u = unit_tiles(p.kv, p.base, seqs, s, h / group, D);
-                    query_tile(&c, &w, s, h, t, u.k, u.v);
-                }
-            }
+            run_plan(&p, &c, QT, D, pack_kv, query_tile, &w);
             _tile_release();
         }
         free(w.S);

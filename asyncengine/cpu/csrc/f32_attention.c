@@ -43,7 +43,8 @@ int f32_attention_available(void) { return 1; }
 
 /* Sequence s, KV head g: its keys into kt ([16-key block][D][16 keys], keys rounded up to 16) and its
  * values into vt ([key][D], keys rounded up to 16), zero past its length. */
-static void pack_kv(const Call *c, int s, int g, float *kt, float *vt) {
+static void pack_kv(const Call *c, int s, int g, Unit u) {
+    float *kt = u.k, *vt = u.v;
     const int len = c->seqs[4 * s + 3], D = c->D, blocks = ceil_to(len, 16) / 16;
     const float *k = (const float *)c->k + g * D, *v = (const float *)c->v + g * D;
     for (int kb = 0; kb < blocks; kb++) {
@@ -119,7 +120,9 @@ static inline void pv_block(const float *P, const float *vt, int D, int nk, floa
 
 /* Query rows QT t .. QT t + QT - 1 of sequence s, head h, over the packed keys kt / values vt of its KV
  * head. The scratch (~41 KiB at D = 256) lives on the stack: L1/L2-resident, nothing to allocate. */
-static void query_tile(const Call *c, int s, int h, int t, const float *kt, const float *vt) {
+static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u) {
+    (void)scratch; /* on the stack, below */
+    const float *kt = u.k, *vt = u.v;
     const int D = c->D, window = c->window;
     const float scale = c->scale;
     const int q_row = c->seqs[4 * s], q_len = c->seqs[4 * s + 1], kv_len = c->seqs[4 * s + 3];
@@ -156,35 +159,14 @@ static void query_tile(const Call *c, int s, int h, int t, const float *kt, cons
          * keys), alpha the factor its O is rescaled by */
         for (int r = 0; r < groups * RG; r++) {
             float *pr = P + r * BK;
-            const float *sr = S + r * BK;
-            const int pos = pos0 + r, lo = first_key(pos, window);
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            if (r < nr)
-                for (int n = 0; n < nb; n++) {
-                    const __mmask16 mk = valid_keys(kb + 16 * n, lo, pos);
-                    mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mk,
-                                                              _mm512_maskz_loadu_ps(mk, sr + 16 * n),
-                                                              _mm512_set1_ps(scale)));
-                }
-            const float bm = _mm512_reduce_max_ps(mx);
-            if (bm == -INFINITY) { /* a padding row, or no key of this block in the row's range */
+            const int pos = pos0 + r;
+            __m512 e[4];
+            alpha[r] = 1.0f;
+            if (r < nr && softmax_step(S + r * BK, nb, kb, first_key(pos, window), pos, scale, &m[r], &l[r],
+                                       &alpha[r], e))
+                for (int n = 0; n < nb; n++) _mm512_storeu_ps(pr + 16 * n, e[n]);
+            else /* a padding row, or no key of this block in the row's range */
                 memset(pr, 0, sizeof(float) * 16 * nb);
-                alpha[r] = 1.0f;
-                continue;
-            }
-            const float mn = bm > m[r] ? bm : m[r];
-            alpha[r] = expf(m[r] - mn); /* 0 on the row's first block (m = -inf) */
-            const __m512 mv = _mm512_set1_ps(mn), sc = _mm512_set1_ps(scale);
-            __m512 sum = _mm512_setzero_ps();
-            for (int n = 0; n < nb; n++) {
-                const __mmask16 mk = valid_keys(kb + 16 * n, lo, pos);
-                const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + 16 * n), sc);
-                const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(x, mv)));
-                sum = _mm512_add_ps(sum, e);
-                _mm512_storeu_ps(pr + 16 * n, e);
-            }
-            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-            m[r] = mn;
         }
         for (int g = 0; g < groups; g++)
             pv_block(P + g * RG * BK, vt + (size_t)kb * D, D, 16 * nb, O + g * RG * D, alpha + g * RG);
@@ -196,14 +178,6 @@ static void query_tile(const Call *c, int s, int h, int t, const float *kt, cons
         for (int d = 0; d < D; d += 16)
             _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(O + r * D + d), inv));
     }
-}
-
-/* A (sequence, KV head)'s packed keys and values, as float pointers into the plan's 16-bit buffer. */
-typedef struct { float *k, *v; } UnitF32;
-static inline UnitF32 unit_f32(const Plan *p, const int *seqs, int s, int g, int D) {
-    const UnitTiles u = unit_tiles(p->kv, p->base, seqs, s, g, UNIT_D(D));
-    float *k = (float *)u.k;
-    return (UnitF32){k, k + (size_t)ceil_to(seqs[4 * s + 3], 16) * D};
 }
 
 /* The arguments and results of bf16_attention_bf16 with float32 q, k, v and out, for D a multiple of 16
@@ -227,34 +201,8 @@ int f32_attention_f32(const float *q, long q_stride, const float *k, long k_stri
                     k_stride, v_stride, out_stride, seqs, tables, table_stride, block_size, H, Hkv, D, window,
                     scale};
     /* clang-format on */
-    const int group = H / Hkv;
 #pragma omp parallel num_threads(num_threads)
-    {
-        if (p.fused) {
-#pragma omp for schedule(dynamic, 1)
-            for (long i = 0; i < p.n_work; i++) {
-                const int s = p.work[i].index / Hkv, g = p.work[i].index % Hkv,
-                          tiles = (seqs[4 * s + 1] + QT - 1) / QT;
-                const UnitF32 u = unit_f32(&p, seqs, s, g, D);
-                pack_kv(&c, s, g, u.k, u.v);
-                for (int h = g * group; h < (g + 1) * group; h++)
-                    for (int t = tiles - 1; t >= 0; t--) query_tile(&c, s, h, t, u.k, u.v);
-            }
-        } else {
-#pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < p.units; i++) {
-                const UnitF32 u = unit_f32(&p, seqs, i / Hkv, i % Hkv, D);
-                pack_kv(&c, i / Hkv, i % Hkv, u.k, u.v);
-            }
-#pragma omp for schedule(dynamic, 1)
-            for (long i = 0; i < p.n_work; i++) {
-                int s, t, h;
-                unfused_item(&p.work[i], seqs, H, QT, &s, &t, &h);
-                const UnitF32 u = unit_f32(&p, seqs, s, h / group, D);
-                query_tile(&c, s, h, t, u.k, u.v);
-            }
-        }
-    }
+    run_plan(&p, &c, QT, UNIT_D(D), pack_kv, query_tile, NULL);
     free_plan(&p);
     return 0;
 }

@@ -1,14 +1,18 @@
-/* What the two prompt-attention kernels (amx_attention.c on AMX tiles, bf16_attention.c on AVX512-BF16)
- * share: their call's arguments, the key masks, the 16 x 16 word transpose that packs K, where a
- * (sequence, KV head)'s packed K / V live, and the work plan (validation, the per-thread packing buffer,
- * the costliest-first list of work items). Each kernel packs and multiplies its own way. Included only
- * where the build has AVX512-BF16; cpu/build.py hashes this file into every library's cache key. */
+/* What the prompt-attention kernels (amx_attention.c on AMX tiles, bf16_attention.c on AVX512-BF16,
+ * f32_attention.c in float32) share: their call's arguments, the key masks, the 16 x 16 word transpose
+ * that packs K, where a (sequence, KV head)'s packed K / V live, the work plan (validation, the per-thread
+ * packing buffer, the costliest-first list of work items) and its run, and (the two without AMX) the
+ * online softmax's row step. Each kernel packs and multiplies its own way. Included only where the build
+ * has AVX-512; cpu/build.py hashes this file into every library's cache key. */
 #ifndef ASYNCENGINE_PROMPT_ATTENTION_H
 #define ASYNCENGINE_PROMPT_ATTENTION_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "cpu_common.h" /* exp512 */
 
 static inline int ceil_to(int n, int m) { return (n + m - 1) / m * m; }
 
@@ -71,17 +75,9 @@ static inline long key_row(const Call *c, int s, int j) {
     return (long)table[j / c->block_size] * c->block_size + j % c->block_size;
 }
 
-/* A (sequence, KV head)'s packed keys (rounded up to 16) and values (rounded up to 32). */
+/* A (sequence, KV head)'s packed keys (rounded up to 16) and values (rounded up to 32), in 16-bit elements
+ * for a head of D of them (a float32 kernel counts its head as 2 D: unit_d below). */
 static inline size_t unit_size(int len, int D) { return (size_t)(ceil_to(len, 16) + ceil_to(len, 32)) * D; }
-
-typedef struct { uint16_t *k, *v; } UnitTiles;
-
-/* Sequence s, KV head g's packed keys and values in `kv`, where base[s] is where sequence s's units start. */
-static inline UnitTiles unit_tiles(uint16_t *kv, const size_t *base, const int *seqs, int s, int g, int D) {
-    const int len = seqs[4 * s + 3];
-    uint16_t *k = kv + base[s] + (size_t)g * unit_size(len, D);
-    return (UnitTiles){k, k + (size_t)ceil_to(len, 16) * D};
-}
 
 typedef struct {
     long cost;
@@ -160,12 +156,85 @@ static void free_plan(Plan *p) {
     free(p->work);
 }
 
+/* Sequence s, KV head g's packed keys and values in the plan's buffer (unit_d: the head's 16-bit
+ * elements, D, or 2 D in float32), as the kernel's pack and query functions take them. */
+typedef struct { void *k, *v; } Unit;
+static inline Unit plan_unit(const Plan *p, const int *seqs, int s, int g, int unit_d) {
+    const int len = seqs[4 * s + 3];
+    uint16_t *k = p->kv + p->base[s] + (size_t)g * unit_size(len, unit_d);
+    return (Unit){k, k + (size_t)ceil_to(len, 16) * unit_d};
+}
+
+/* A kernel's two halves: pack a unit's K / V; attend one query tile t (rows qt t ..) of sequence s, head h,
+ * with the calling thread's scratch. */
+typedef void (*PackUnit)(const Call *c, int s, int g, Unit u);
+typedef void (*QueryTile)(const Call *c, void *scratch, int s, int h, int t, Unit u);
+
 /* An unfused item's (sequence, query tile, head): index = (tiles of the earlier sequences + t) * H + h;
  * sequences are few there (fewer than 4 units per thread), so s is found by a walk. */
 static inline void unfused_item(const Ranked *item, const int *seqs, int H, int qt, int *s, int *t, int *h) {
     int seq = 0, tile = item->index / H;
     while (tile >= (seqs[4 * seq + 1] + qt - 1) / qt) tile -= (seqs[4 * seq + 1] + qt - 1) / qt, seq++;
     *s = seq, *t = tile, *h = item->index % H;
+}
+
+/* The plan's work, shared out to the threads of the enclosing parallel region (each of them calls this,
+ * with its scratch): fused, a thread takes a unit, packs it and runs all its query tiles, last tile first
+ * (the longest rows); otherwise every unit is packed, then the (query tile, head) items are shared out. */
+static void run_plan(const Plan *p, const Call *c, int qt, int unit_d, PackUnit pack, QueryTile tile,
+                     void *scratch) {
+    const int *seqs = c->seqs, Hkv = c->Hkv, group = c->H / c->Hkv;
+    if (p->fused) {
+#pragma omp for schedule(dynamic, 1)
+        for (long i = 0; i < p->n_work; i++) {
+            const int s = p->work[i].index / Hkv, g = p->work[i].index % Hkv, tiles = (seqs[4 * s + 1] + qt - 1) / qt;
+            const Unit u = plan_unit(p, seqs, s, g, unit_d);
+            pack(c, s, g, u);
+            for (int h = g * group; h < (g + 1) * group; h++)
+                for (int t = tiles - 1; t >= 0; t--) tile(c, scratch, s, h, t, u);
+        }
+    } else {
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < p->units; i++) pack(c, i / Hkv, i % Hkv, plan_unit(p, seqs, i / Hkv, i % Hkv, unit_d));
+#pragma omp for schedule(dynamic, 1)
+        for (long i = 0; i < p->n_work; i++) {
+            int s, t, h;
+            unfused_item(&p->work[i], seqs, c->H, qt, &s, &t, &h);
+            tile(c, scratch, s, h, t, plan_unit(p, seqs, s, h / group, unit_d));
+        }
+    }
+}
+
+/* Row r's online-softmax step over a block of nb <= 4 16-key groups of its scores sr (not yet scaled), keys
+ * kb .. kb + 16 nb - 1, of which it sees lo .. pos: e[n] = exp(scale S - m') (zero on keys it does not
+ * see), *alpha = exp(m - m') (0 on its first block), m = m' and l = alpha l + sum(e). Returns 0 where it
+ * sees no key of the block (m, l and e untouched, *alpha = 1): the caller writes a zero P row. */
+static inline int softmax_step(const float *sr, int nb, int kb, int lo, int pos, float scale, float *m, float *l,
+                               float *alpha, __m512 e[4]) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int n = 0; n < nb; n++) {
+        const __mmask16 mk = valid_keys(kb + 16 * n, lo, pos);
+        mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(mx, mk, _mm512_maskz_loadu_ps(mk, sr + 16 * n), sc));
+    }
+    const float bm = _mm512_reduce_max_ps(mx);
+    if (bm == -INFINITY) {
+        *alpha = 1.0f;
+        return 0;
+    }
+    const float mn = bm > *m ? bm : *m;
+    *alpha = expf(*m - mn);
+    const __m512 mv = _mm512_set1_ps(mn);
+    __m512 sum = _mm512_setzero_ps();
+    for (int n = 0; n < nb; n++) {
+        const __mmask16 mk = valid_keys(kb + 16 * n, lo, pos);
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + 16 * n), sc);
+        e[n] = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(x, mv)));
+        sum = _mm512_add_ps(sum, e[n]);
+    }
+    *l = *l * *alpha + _mm512_reduce_add_ps(sum);
+    *m = mn;
+    return 1;
 }
 
 #endif

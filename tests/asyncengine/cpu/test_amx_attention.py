@@ -55,6 +55,7 @@ def run_prompts(
     heads: tuple[int, int],
     head_dim: int,
     window: int | None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple:
     """Prompts of (query rows, key rows) through a prompt kernel (amx_prompt_attention's signature), keys
     and values strided views of one projection output as the model hands them over; checks that nothing
@@ -62,10 +63,10 @@ def run_prompts(
     num_heads, num_kv_heads = heads
     torch.manual_seed(0)
     t, s = sum(q for q, _ in lens), sum(kv for _, kv in lens)
-    q = torch.randn(t, num_heads, head_dim).to(torch.bfloat16)
-    kv = torch.randn(s, 2, num_kv_heads, head_dim).to(torch.bfloat16)
+    q = torch.randn(t, num_heads, head_dim).to(dtype)
+    kv = torch.randn(s, 2, num_kv_heads, head_dim).to(dtype)
     k, v = kv[:, 0], kv[:, 1]
-    sentinel = torch.full((t + 3, num_heads, head_dim), 7.0, dtype=torch.bfloat16)
+    sentinel = torch.full((t + 3, num_heads, head_dim), 7.0, dtype=dtype)
     out = sentinel[1 : t + 1]
     seqs, qs, ks = [], 0, 0
     for q_len, kv_len in lens:

@@ -4,6 +4,8 @@ does)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from test_amx_attention import check, run_prompts
@@ -76,27 +78,38 @@ def test_declines_what_it_does_not_cover(monkeypatch) -> None:
     assert not bf16_prompt_attention(q16, q16, q16, torch.empty_like(q16), [(0, 8, 0, 8)], 0.1, None)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("window", [None, 20])
-def test_paged_keys_match_gathered_ones(head_dim, window) -> None:
-    """With block tables the kernel reads keys in place from the cache (shuffled blocks), chunks after a
-    cached prefix included: the same bits as the same call on the gathered keys, and close to SDPA."""
+def check_paged_keys(
+    kernel: Callable[..., bool],
+    dtype: torch.dtype,
+    head_dim: int,
+    window: int | None,
+    check: Callable[..., None],
+) -> None:
+    """With block tables a prompt kernel reads keys in place from the cache (shuffled blocks), chunks after a
+    cached prefix included: the same bits as the same call on the gathered keys, and `check`ed (close to
+    SDPA)."""
     lens, context = [40, 1, 23, 30, 130], [0, 30, 50, 16, 70]
-    q, _, _, kc, vc, meta = build_batch(lens, context, 12, 2, head_dim, 16, torch.bfloat16)
+    q, _, _, kc, vc, meta = build_batch(lens, context, 12, 2, head_dim, 16, dtype)
     tables = meta.block_tables.to(torch.int32).contiguous()
     seqs, start = [], 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         seqs.append((start, q_len, i, seq_len))
         start += q_len
     paged = torch.zeros_like(q)
-    assert bf16_prompt_attention(q, kc, vc, paged, seqs, head_dim**-0.5, window, tables)
+    assert kernel(q, kc, vc, paged, seqs, head_dim**-0.5, window, tables)
     for s, n, i, seq_len in seqs:
         keys = gather_kv(kc, meta.block_tables[i], seq_len, q.dtype)
         values = gather_kv(vc, meta.block_tables[i], seq_len, q.dtype)
         alone = torch.zeros_like(q)
-        assert bf16_prompt_attention(q, keys, values, alone, [(s, n, 0, seq_len)], head_dim**-0.5, window)
+        assert kernel(q, keys, values, alone, [(s, n, 0, seq_len)], head_dim**-0.5, window)
         assert torch.equal(paged[s : s + n], alone[s : s + n])
         check(paged[s : s + n], q[s : s + n], keys, values, window)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_keys_match_gathered_ones(head_dim, window) -> None:
+    check_paged_keys(bf16_prompt_attention, torch.bfloat16, head_dim, window, check)
 
 
 @pytest.mark.skipif(load_amx_library() is not None, reason="with AMX the backend takes amx_attention.c")

@@ -6,38 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_amx_attention import exact
+from test_amx_attention import exact, run_prompts
 from test_attention_cpu import build_batch
+from test_bf16_attention import check_paged_keys
 
 from asyncengine.cpu.f32_attention import ENV, f32_prompt_attention, load_library
 from asyncengine.layers.attention_cpu import CpuAttentionBackend
-from asyncengine.layers.attention_torch import TorchAttentionBackend, causal_attention, gather_kv
+from asyncengine.layers.attention_torch import TorchAttentionBackend, causal_attention
 
 pytestmark = pytest.mark.skipif(
     load_library() is None, reason="the CPU has no AVX-512 (or there is no C compiler)"
 )
-
-
-def run_prompts(
-    lens: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, window: int | None
-) -> tuple:
-    """Prompts of (query rows, key rows) through the kernel, keys and values strided views of one
-    projection output; checks that nothing was written outside the rows."""
-    num_heads, num_kv_heads = heads
-    torch.manual_seed(0)
-    t, s = sum(q for q, _ in lens), sum(kv for _, kv in lens)
-    q = torch.randn(t, num_heads, head_dim)
-    kv = torch.randn(s, 2, num_kv_heads, head_dim)
-    k, v = kv[:, 0], kv[:, 1]
-    sentinel = torch.full((t + 3, num_heads, head_dim), 7.0)
-    out = sentinel[1 : t + 1]
-    seqs, qs, ks = [], 0, 0
-    for q_len, kv_len in lens:
-        seqs.append((qs, q_len, ks, kv_len))
-        qs, ks = qs + q_len, ks + kv_len
-    assert f32_prompt_attention(q, k, v, out, seqs, head_dim**-0.5, window)
-    assert (sentinel[0] == 7).all() and (sentinel[t + 1 :] == 7).all()  # nothing written outside the rows
-    return q, k, v, out, seqs
 
 
 def check(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> None:
@@ -62,7 +41,7 @@ def check(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ],
 )
 def test_matches_sdpa_and_is_as_accurate(heads, head_dim, window, lens) -> None:
-    q, k, v, out, seqs = run_prompts(lens, heads, head_dim, window)
+    q, k, v, out, seqs = run_prompts(f32_prompt_attention, lens, heads, head_dim, window, torch.float32)
     for q0, q_len, k0, kv_len in seqs:
         check(out[q0 : q0 + q_len], q[q0 : q0 + q_len], k[k0 : k0 + kv_len], v[k0 : k0 + kv_len], window)
 
@@ -70,7 +49,7 @@ def test_matches_sdpa_and_is_as_accurate(heads, head_dim, window, lens) -> None:
 def test_many_sequences_take_the_fused_split() -> None:
     """With 4+ (sequence, KV head) units per thread each thread packs a unit and runs its query tiles."""
     lens = [(n, n) for n in (1, 15, 16, 17, 100, 513, 64, 65)] + [(40, 300), (16, 16)]
-    q, k, v, out, seqs = run_prompts(lens, (12, 12), 64, None)
+    q, k, v, out, seqs = run_prompts(f32_prompt_attention, lens, (12, 12), 64, None, torch.float32)
     for q0, q_len, k0, kv_len in seqs:
         check(out[q0 : q0 + q_len], q[q0 : q0 + q_len], k[k0 : k0 + kv_len], v[k0 : k0 + kv_len], None)
 
@@ -99,24 +78,7 @@ def test_declines_what_it_does_not_cover(monkeypatch) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [None, 20])
 def test_paged_keys_match_gathered_ones(head_dim, window) -> None:
-    """With block tables the kernel reads keys in place from the cache (shuffled blocks), chunks after a
-    cached prefix included: the same bits as the same call on the gathered keys, and close to SDPA."""
-    lens, context = [40, 1, 23, 30, 130], [0, 30, 50, 16, 70]
-    q, _, _, kc, vc, meta = build_batch(lens, context, 12, 2, head_dim, 16, torch.float32)
-    tables = meta.block_tables.to(torch.int32).contiguous()
-    seqs, start = [], 0
-    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        seqs.append((start, q_len, i, seq_len))
-        start += q_len
-    paged = torch.zeros_like(q)
-    assert f32_prompt_attention(q, kc, vc, paged, seqs, head_dim**-0.5, window, tables)
-    for s, n, i, seq_len in seqs:
-        keys = gather_kv(kc, meta.block_tables[i], seq_len, q.dtype)
-        values = gather_kv(vc, meta.block_tables[i], seq_len, q.dtype)
-        alone = torch.zeros_like(q)
-        assert f32_prompt_attention(q, keys, values, alone, [(s, n, 0, seq_len)], head_dim**-0.5, window)
-        assert torch.equal(paged[s : s + n], alone[s : s + n])
-        check(paged[s : s + n], q[s : s + n], keys, values, window)
+    check_paged_keys(f32_prompt_attention, torch.float32, head_dim, window, check)
 
 
 @pytest.mark.parametrize("query_lens,context_lens", [([40, 1, 23], [0, 30, 0]), ([20, 17, 100], [16, 50, 0])])

@@ -1,6 +1,6 @@
 """The CPU KV cache's pages are faulted in by a background thread (cpu/prefault.py): afterwards writing
 every page takes no page fault, the contents are untouched, a ModelRunner starts and stops one, and a
-prefaulted cache sits on transparent huge pages."""
+prefaulted cache can sit on transparent huge pages (opt-in)."""
 
 from __future__ import annotations
 
@@ -90,11 +90,14 @@ def anon_huge_kib(address: int) -> int:
     return 0
 
 
-def test_a_prefaulted_cache_is_on_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_prefaulted_cache_can_be_on_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCENGINE_CPU_KV_PREFAULT", "1")
+    monkeypatch.delenv("ASYNCENGINE_CPU_KV_HUGEPAGES", raising=False)
+    assert not prefault.huge_pages_enabled()  # opt-in
+    monkeypatch.setenv("ASYNCENGINE_CPU_KV_HUGEPAGES", "1")
     assert prefault.huge_pages_enabled()
-    monkeypatch.setenv("ASYNCENGINE_CPU_KV_HUGEPAGES", "0")
-    assert not prefault.huge_pages_enabled()
+    monkeypatch.setenv("ASYNCENGINE_CPU_KV_PREFAULT", "0")
+    assert not prefault.huge_pages_enabled()  # only with the prefault
     try:
         thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
     except OSError:
