@@ -162,8 +162,9 @@ static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u
             const int pos = pos0 + r;
             __m512 e[4];
             alpha[r] = 1.0f;
-            if (r < nr && softmax_step(S + r * BK, nb, kb, first_key(pos, window), pos, scale, &m[r], &l[r],
-                                       &alpha[r], e))
+            if (r < nr
+                && softmax_step(S + r * BK, nb, kb, first_key(pos, window), pos, scale, &m[r], &l[r],
+                                &alpha[r], e))
                 for (int n = 0; n < nb; n++) _mm512_storeu_ps(pr + 16 * n, e[n]);
             else /* a padding row, or no key of this block in the row's range */
                 memset(pr, 0, sizeof(float) * 16 * nb);

@@ -181,13 +181,14 @@ static inline void unfused_item(const Ranked *item, const int *seqs, int H, int 
 /* The plan's work, shared out to the threads of the enclosing parallel region (each of them calls this,
  * with its scratch): fused, a thread takes a unit, packs it and runs all its query tiles, last tile first
  * (the longest rows); otherwise every unit is packed, then the (query tile, head) items are shared out. */
-static void run_plan(const Plan *p, const Call *c, int qt, int unit_d, PackUnit pack, QueryTile tile,
-                     void *scratch) {
+static inline __attribute__((always_inline)) void run_plan(const Plan *p, const Call *c, int qt, int unit_d,
+                                                           PackUnit pack, QueryTile tile, void *scratch) {
     const int *seqs = c->seqs, Hkv = c->Hkv, group = c->H / c->Hkv;
     if (p->fused) {
 #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < p->n_work; i++) {
-            const int s = p->work[i].index / Hkv, g = p->work[i].index % Hkv, tiles = (seqs[4 * s + 1] + qt - 1) / qt;
+            const int s = p->work[i].index / Hkv, g = p->work[i].index % Hkv,
+                      tiles = (seqs[4 * s + 1] + qt - 1) / qt;
             const Unit u = plan_unit(p, seqs, s, g, unit_d);
             pack(c, s, g, u);
             for (int h = g * group; h < (g + 1) * group; h++)
@@ -195,7 +196,8 @@ static void run_plan(const Plan *p, const Call *c, int qt, int unit_d, PackUnit 
         }
     } else {
 #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < p->units; i++) pack(c, i / Hkv, i % Hkv, plan_unit(p, seqs, i / Hkv, i % Hkv, unit_d));
+        for (int i = 0; i < p->units; i++)
+            pack(c, i / Hkv, i % Hkv, plan_unit(p, seqs, i / Hkv, i % Hkv, unit_d));
 #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < p->n_work; i++) {
             int s, t, h;
@@ -209,8 +211,8 @@ static void run_plan(const Plan *p, const Call *c, int qt, int unit_d, PackUnit 
  * kb .. kb + 16 nb - 1, of which it sees lo .. pos: e[n] = exp(scale S - m') (zero on keys it does not
  * see), *alpha = exp(m - m') (0 on its first block), m = m' and l = alpha l + sum(e). Returns 0 where it
  * sees no key of the block (m, l and e untouched, *alpha = 1): the caller writes a zero P row. */
-static inline int softmax_step(const float *sr, int nb, int kb, int lo, int pos, float scale, float *m, float *l,
-                               float *alpha, __m512 e[4]) {
+static inline int softmax_step(const float *sr, int nb, int kb, int lo, int pos, float scale, float *m,
+                               float *l, float *alpha, __m512 e[4]) {
     const __m512 sc = _mm512_set1_ps(scale);
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int n = 0; n < nb; n++) {
