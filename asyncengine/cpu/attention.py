@@ -243,29 +243,25 @@ class PromptKernel:
         self.name, self.dtype, self.env, self.label = name, dtype, env, label
         self.source = Path(__file__).parent / "csrc" / f"{name}.c"
         self.takes_head_dim = takes_head_dim
-        self._lib: ctypes.CDLL | None | bool = False  # False: not loaded yet
+        self._lib: ctypes.CDLL | None = None
+        self._fn: Any = None  # the kernel's function in _lib
+        self._loaded = False
 
     def allowed(self) -> bool:
         return os.environ.get(self.env, "1") != "0"
 
     def load_library(self) -> ctypes.CDLL | None:
         """The kernel library, or None where it cannot run: no compiler, or not this CPU's."""
-        if self._lib is False:
+        if not self._loaded:
             lib = build_library(self.source)
             if lib is not None:
                 available = getattr(lib, f"{self.name}_available")
                 available.restype, available.argtypes = ctypes.c_int, []
-                fn = self.kernel(lib)
-                fn.restype, fn.argtypes = ctypes.c_int, PROMPT_KERNEL_ARGTYPES
-                lib = lib if available() else None
-            self._lib = lib
-        return self._lib or None
-
-    def kernel(self, lib: ctypes.CDLL) -> Any:
-        return getattr(lib, f"{self.name}_{self.label}")
-
-    def available(self) -> bool:
-        return self.allowed() and self.load_library() is not None
+                if available():
+                    self._lib, self._fn = lib, getattr(lib, f"{self.name}_{self.label}")
+                    self._fn.restype, self._fn.argtypes = ctypes.c_int, PROMPT_KERNEL_ARGTYPES
+            self._loaded = True
+        return self._lib
 
     def __call__(
         self,
@@ -293,8 +289,7 @@ class PromptKernel:
             or not self.allowed()
         ):
             return False
-        lib = self.load_library()
-        if lib is None:
+        if self.load_library() is None:
             return False
-        run_prompt_kernel(self.kernel(lib), self.label, q, k, v, out, seqs, scale, sliding_window, tables)
+        run_prompt_kernel(self._fn, self.label, q, k, v, out, seqs, scale, sliding_window, tables)
         return True

@@ -21,4 +21,3 @@ ENV = "ASYNCENGINE_CPU_BF16_ATTENTION"
 
 bf16_prompt_attention = PromptKernel("bf16_attention", torch.bfloat16, ENV, HEAD_DIMS.__contains__, "bf16")
 load_library = bf16_prompt_attention.load_library
-available = bf16_prompt_attention.available

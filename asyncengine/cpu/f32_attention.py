@@ -28,4 +28,3 @@ def takes_head_dim(head_dim: int) -> bool:
 
 f32_prompt_attention = PromptKernel("f32_attention", torch.float32, ENV, takes_head_dim, "f32")
 load_library = f32_prompt_attention.load_library
-available = f32_prompt_attention.available

@@ -114,7 +114,7 @@ class ModelRunner:
     def init_cache(self, num_blocks: int) -> None:
         """Allocates every layer's cache, plus one scratch block that padding rows write into."""
         self.kv_caches = []
-        huge = self.device.type == "cpu" and huge_pages_enabled()  # opt-in, prefaulted only (cpu/prefault.py)
+        huge = huge_pages_enabled()  # opt-in, a prefaulted cache only (cpu/prefault.py); zeros: CPU only
         for layer in self.attention_layers:
             shape = (num_blocks + 1, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = zeros(shape, self.kv_dtype, self.device, huge)

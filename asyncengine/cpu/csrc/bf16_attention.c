@@ -157,16 +157,11 @@ static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u
          * masked keys), alpha the factor its O is rescaled by */
         for (int r = 0; r < groups * RG; r++) {
             uint16_t *pr = P + r * BK;
-            const int pos = pos0 + r;
+            const int pos = r < nr ? pos0 + r : -1; /* a padding row sees no key: its P is zero */
             __m512 e[4];
-            alpha[r] = 1.0f;
-            if (r < nr
-                && softmax_step(S + r * BK, nb, kb, first_key(pos, window), pos, scale, &m[r], &l[r],
-                                &alpha[r], e))
-                for (int n = 0; n < nb; n++)
-                    _mm256_storeu_si256((__m256i *)(pr + 16 * n), (__m256i)_mm512_cvtneps_pbh(e[n]));
-            else /* a padding row, or no key of this block in the row's range */
-                memset(pr, 0, sizeof(uint16_t) * 16 * nb);
+            softmax_step(S + r * BK, nb, kb, first_key(pos, window), pos, scale, &m[r], &l[r], &alpha[r], e);
+            for (int n = 0; n < nb; n++)
+                _mm256_storeu_si256((__m256i *)(pr + 16 * n), (__m256i)_mm512_cvtneps_pbh(e[n]));
         }
         /* the values of this block's keys start at key pair kb / 2 */
         for (int g = 0; g < groups; g++)

@@ -159,15 +159,10 @@ static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u
          * keys), alpha the factor its O is rescaled by */
         for (int r = 0; r < groups * RG; r++) {
             float *pr = P + r * BK;
-            const int pos = pos0 + r;
+            const int pos = r < nr ? pos0 + r : -1; /* a padding row sees no key: its P is zero */
             __m512 e[4];
-            alpha[r] = 1.0f;
-            if (r < nr
-                && softmax_step(S + r * BK, nb, kb, first_key(pos, window), pos, scale, &m[r], &l[r],
-                                &alpha[r], e))
-                for (int n = 0; n < nb; n++) _mm512_storeu_ps(pr + 16 * n, e[n]);
-            else /* a padding row, or no key of this block in the row's range */
-                memset(pr, 0, sizeof(float) * 16 * nb);
+            softmax_step(S + r * BK, nb, kb, first_key(pos, window), pos, scale, &m[r], &l[r], &alpha[r], e);
+            for (int n = 0; n < nb; n++) _mm512_storeu_ps(pr + 16 * n, e[n]);
         }
         for (int g = 0; g < groups; g++)
             pv_block(P + g * RG * BK, vt + (size_t)kb * D, D, 16 * nb, O + g * RG * D, alpha + g * RG);

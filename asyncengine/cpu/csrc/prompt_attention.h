@@ -208,11 +208,11 @@ static inline __attribute__((always_inline)) void run_plan(const Plan *p, const 
 }
 
 /* Row r's online-softmax step over a block of nb <= 4 16-key groups of its scores sr (not yet scaled), keys
- * kb .. kb + 16 nb - 1, of which it sees lo .. pos: e[n] = exp(scale S - m') (zero on keys it does not
- * see), *alpha = exp(m - m') (0 on its first block), m = m' and l = alpha l + sum(e). Returns 0 where it
- * sees no key of the block (m, l and e untouched, *alpha = 1): the caller writes a zero P row. */
-static inline int softmax_step(const float *sr, int nb, int kb, int lo, int pos, float scale, float *m,
-                               float *l, float *alpha, __m512 e[4]) {
+ * kb .. kb + 16 nb - 1, of which it sees lo .. pos (none with pos < 0: a padding row): e[n] = exp(scale S -
+ * m') (zero on keys it does not see), *alpha = exp(m - m') (0 on its first block), m = m' and l = alpha l +
+ * sum(e). Where it sees no key of the block, e is zero, *alpha = 1 and m, l stay. */
+static inline void softmax_step(const float *sr, int nb, int kb, int lo, int pos, float scale, float *m,
+                                float *l, float *alpha, __m512 e[4]) {
     const __m512 sc = _mm512_set1_ps(scale);
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int n = 0; n < nb; n++) {
@@ -221,8 +221,9 @@ static inline int softmax_step(const float *sr, int nb, int kb, int lo, int pos,
     }
     const float bm = _mm512_reduce_max_ps(mx);
     if (bm == -INFINITY) {
+        for (int n = 0; n < nb; n++) e[n] = _mm512_setzero_ps();
         *alpha = 1.0f;
-        return 0;
+        return;
     }
     const float mn = bm > *m ? bm : *m;
     *alpha = expf(*m - mn);
@@ -236,7 +237,6 @@ static inline int softmax_step(const float *sr, int nb, int kb, int lo, int pos,
     }
     *l = *l * *alpha + _mm512_reduce_add_ps(sum);
     *m = mn;
-    return 1;
 }
 
 #endif

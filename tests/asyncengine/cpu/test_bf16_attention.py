@@ -20,18 +20,18 @@ pytestmark = pytest.mark.skipif(
     load_library() is None, reason="the CPU has no AVX512-BF16 (or there is no C compiler)"
 )
 
+# (query rows, key rows) of a call's prompts, per case; the float32 kernel's tests take them too
+PROMPT_LENS = [
+    [(1, 1), (15, 15), (16, 16), (17, 17), (100, 100)],  # fresh prompts around the 16-row tiles
+    [(513, 513)],  # one long prompt: several 64-key blocks, the unfused work split
+    [(20, 50), (16, 97), (1, 64), (70, 200)],  # chunks after cached context
+]
+
 
 @pytest.mark.parametrize("heads", [(12, 12), (12, 2), (12, 1)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [None, 7, 40, 100])
-@pytest.mark.parametrize(
-    "lens",
-    [
-        [(1, 1), (15, 15), (16, 16), (17, 17), (100, 100)],  # fresh prompts around the 16-row tiles
-        [(513, 513)],  # one long prompt: several 64-key blocks, the unfused work split
-        [(20, 50), (16, 97), (1, 64), (70, 200)],  # chunks after cached context
-    ],
-)
+@pytest.mark.parametrize("lens", PROMPT_LENS)
 def test_matches_sdpa_and_is_as_accurate(heads, head_dim, window, lens) -> None:
     q, k, v, out, seqs = run_prompts(bf16_prompt_attention, lens, heads, head_dim, window)
     for q0, q_len, k0, kv_len in seqs:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_amx_attention import exact, run_prompts
 from test_attention_cpu import build_batch
-from test_bf16_attention import check_paged_keys
+from test_bf16_attention import PROMPT_LENS, check_paged_keys
 
 from asyncengine.cpu.f32_attention import ENV, f32_prompt_attention, load_library
 from asyncengine.layers.attention_cpu import CpuAttentionBackend
@@ -32,14 +32,7 @@ def check(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     "heads,head_dim", [((12, 12), 64), ((8, 2), 128), ((6, 1), 16), ((2, 2), 256), ((4, 2), 80)]
 )
 @pytest.mark.parametrize("window", [None, 7, 40, 150])
-@pytest.mark.parametrize(
-    "lens",
-    [
-        [(1, 1), (15, 15), (16, 16), (17, 17), (100, 100)],  # fresh prompts around the 16-row tiles
-        [(513, 513)],  # one long prompt: several 64-key blocks, the unfused work split
-        [(20, 50), (16, 97), (1, 64), (70, 200)],  # chunks after cached context
-    ],
-)
+@pytest.mark.parametrize("lens", PROMPT_LENS)
 def test_matches_sdpa_and_is_as_accurate(heads, head_dim, window, lens) -> None:
     q, k, v, out, seqs = run_prompts(f32_prompt_attention, lens, heads, head_dim, window, torch.float32)
     for q0, q_len, k0, kv_len in seqs:

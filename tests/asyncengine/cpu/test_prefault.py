@@ -80,7 +80,9 @@ def test_a_model_runner_prefaults_its_cache_and_stops_on_close(
 def anon_huge_kib(address: int) -> int:
     """AnonHugePages of the mapping that holds `address`, from /proc/self/smaps."""
     inside = False
-    for line in open("/proc/self/smaps"):
+    with open("/proc/self/smaps") as f:
+        lines = f.readlines()
+    for line in lines:
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
