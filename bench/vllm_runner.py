@@ -2,6 +2,7 @@
 """Offline vLLM run for bench/throughput.py, executed with bench/vllm_venv/bin/python (vLLM's own venv).
 
     bench/vllm_venv/bin/python bench/vllm_runner.py --workload in.json --out out.json
+    bench/vllm_venv/bin/python bench/vllm_runner.py --workload in.json --serve --result-fd N
 
 in.json: {"model", "dtype", "prompts": [[ids]], "output_lens": [n], "max_num_seqs", "max_num_batched_tokens",
           "max_model_len", "enable_prefix_caching", "warmup": true, "kv_cache_dtype": "auto" | "fp8_e5m2",
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -30,8 +32,12 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workload", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--serve", action="store_true", help="runs from stdin, results to --result-fd")
+    parser.add_argument("--result-fd", type=int)
     args = parser.parse_args()
+    if args.serve != (args.result_fd is not None) or args.serve == (args.out is not None):
+        parser.error("either --out, or --serve with --result-fd")
     spec = json.loads(args.workload.read_text())
 
     import torch
@@ -89,6 +95,14 @@ def main() -> int:
         "vllm_version": vllm.__version__,
         "frontend_torch_threads": torch.get_num_threads(),
     }
+    if args.serve:
+        with open(args.result_fd, "w", buffering=1) as results:  # line-buffered: one flush a line
+            results.write(json.dumps({"ready": True, **result}) + "\n")
+            for line in sys.stdin:
+                r = json.loads(line)
+                llm.reset_prefix_cache()
+                results.write(json.dumps({"name": r["name"], **run(r["prompts"], r["output_lens"])}) + "\n")
+        return 0
     if "runs" in spec:
         result["runs"] = []
         for r in spec["runs"]:
