@@ -273,6 +273,31 @@ def wait_kv_prefault(kv_bytes: int, timeout: float = 120.0) -> float:
     return time.monotonic() - t0
 
 
+def wait_quiet(busy_below: float = 0.1, window: float = 0.25, timeout: float = 10.0) -> float:
+    """Waits until the machine's cores are busy less than `busy_below` of a `window` (/proc/stat), or
+    `timeout`; returns the seconds waited. Between two engines' timed runs: vLLM's engine process polls
+    at full speed for ~1 s after a run ends (measured: 96-108% of a core in each of the first 4 quarter
+    seconds, ~0 after), and a run started then shares the cores with it (a 1-second cell took twice as
+    long). A no-op where /proc/stat is absent."""
+    stat = Path("/proc/stat")
+    if not stat.exists():
+        return 0.0
+
+    def ticks() -> tuple[int, int]:  # (busy, total) jiffies of all cores
+        f = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:]]
+        idle = f[3] + (f[4] if len(f) > 4 else 0)  # idle + iowait
+        return sum(f) - idle, sum(f)
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        b0, n0 = ticks()
+        time.sleep(window)
+        b1, n1 = ticks()
+        if n1 > n0 and (b1 - b0) / (n1 - n0) < busy_below:
+            break
+    return time.monotonic() - t0
+
+
 def machine_info() -> dict[str, Any]:
     """Date, load average and versions: every result file records the conditions it was measured in."""
     info: dict[str, Any] = {

@@ -23,7 +23,8 @@ Engines: asyncengine (`LLM`, --threads torch threads), vLLM-CPU bound to --threa
 --engines hf, HF `generate` (static batches of 16; slow on the long rows). asyncengine and vLLM are
 loaded side by side (each its own KV cache of --kv-gib) and take turns cell by cell, the order flipped
 every cell, so that both run each cell under the same conditions: on a shared VM speed drifts 10-30%
-over the half hour one engine's row takes (--sequential: one engine's cells, then the other's).
+over the half hour one engine's row takes (--sequential: one engine's cells, then the other's). Each
+cell starts once the cores are quiet (common.wait_quiet: vLLM polls at full speed for ~1 s after a run).
 Output: per dtype, a grid of asyncengine ÷ vLLM output-token-throughput ratios, the prefill-only ratios,
 prefill / decode seconds of both engines, greedy agreement (asyncengine vs HF when HF ran, else vs vLLM),
 and a heat map PNG.
@@ -56,6 +57,7 @@ from common import (  # noqa: E402
     vllm_available,
     vllm_env,
     wait_kv_prefault,
+    wait_quiet,
     write_json,
 )
 from vllm_session import VllmSession, VllmSessionError  # noqa: E402
@@ -211,6 +213,7 @@ def run_dtype(
 
 
 def _run_cell(runners: dict[str, Runner], engine: str, name: str, wl: Workload, save: Save) -> None:
+    wait_quiet()  # the other engine (vLLM polls for ~1 s after a run) off the cores first
     try:
         save(engine, name, runners[engine](name, wl))
     except VllmSessionError as e:
