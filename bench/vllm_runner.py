@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Offline vLLM run for bench/throughput.py, executed with bench/vllm_venv/bin/python (vLLM's own venv).
+"""Offline vLLM runs for bench/throughput.py and bench/sweep.py, executed with bench/vllm_venv/bin/python.
 
     bench/vllm_venv/bin/python bench/vllm_runner.py --workload in.json --out out.json
     bench/vllm_venv/bin/python bench/vllm_runner.py --workload in.json --serve --result-fd N
@@ -8,9 +8,11 @@ in.json: {"model", "dtype", "prompts": [[ids]], "output_lens": [n], "max_num_seq
           "max_model_len", "enable_prefix_caching", "warmup": true, "kv_cache_dtype": "auto" | "fp8_e5m2",
           "num_speculative_tokens": 0 (or K: n-gram prompt lookup, lookup lengths 1-3)}
 out.json: {"seconds", "token_ids": [[ids]], "load_seconds", "vllm_version", "frontend_torch_threads"}
-Several workloads on one loaded model (bench/sweep.py): in.json has "runs": [{"name", "prompts",
-"output_lens"}] instead of "prompts" / "output_lens", and out.json then has "runs": [{"name", "seconds",
-"token_ids"}] (run in order, after the one warm-up).
+--serve (bench/vllm_session.py, for bench/sweep.py): in.json has no prompts; once loaded and warm the
+runner writes one line {"ready": true, "load_seconds", "vllm_version", "frontend_torch_threads"} to
+--result-fd, then reads runs ({"name", "prompts", "output_lens"}), a JSON line each, from stdin and answers
+each with a line {"name", "seconds", "token_ids"} on --result-fd until stdin closes. Every run starts with
+a cold prefix cache. (Answers go to a pipe of their own: vLLM and its engine process log to stdout.)
 
 Token-id prompts, skip_tokenizer_init=True (the random model directories have no tokenizer), greedy,
 ignore_eos, exactly the same output length per request as the other engines. The KV-cache size and the
@@ -103,15 +105,7 @@ def main() -> int:
                 llm.reset_prefix_cache()
                 results.write(json.dumps({"name": r["name"], **run(r["prompts"], r["output_lens"])}) + "\n")
         return 0
-    if "runs" in spec:
-        result["runs"] = []
-        for r in spec["runs"]:
-            if "reset_prefix_cache" in dir(llm):
-                llm.reset_prefix_cache()  # each run starts cold, as asyncengine's (bench/sweep.py)
-            result["runs"].append({"name": r["name"], **run(r["prompts"], r["output_lens"])})
-            args.out.write_text(json.dumps(result))  # partial results survive a timeout
-    else:
-        result.update(run(spec["prompts"], spec["output_lens"]))
+    result.update(run(spec["prompts"], spec["output_lens"]))
     args.out.write_text(json.dumps(result))
     return 0
 

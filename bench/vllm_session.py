@@ -127,7 +127,10 @@ class VllmSession:
                     raise self._error("the runner exited")
                 self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
+        try:
+            return json.loads(line)
+        except ValueError as e:
+            raise self._error(f"an answer that is not JSON: {line[:200]!r}") from e
 
     def _error(self, what: str) -> VllmSessionError:
         self.close(clean=False)

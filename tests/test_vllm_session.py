@@ -38,6 +38,9 @@ FAKE_RUNNER = textwrap.dedent(
             os._exit(3)
         if spec.get("behaviour") == "stall" and r["name"] == "second":
             time.sleep(60)
+        if spec.get("behaviour") == "garbled" and r["name"] == "second":
+            out.write("not json\\n")
+            continue
         name = "someone else" if spec.get("behaviour") == "wrong_name" else r["name"]
         ids = [[len(p)] * n for p, n in zip(r["prompts"], r["output_lens"])]
         out.write(json.dumps({"name": name, "seconds": 0.5, "token_ids": ids}) + "\\n")
@@ -80,7 +83,7 @@ def test_runs_are_answered_in_turn_and_the_runner_ends_with_the_session(tmp_path
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("behaviour", ["die", "stall", "wrong_name"])
+@pytest.mark.parametrize("behaviour", ["die", "stall", "wrong_name", "garbled"])
 def test_a_runner_that_fails_a_run_raises_instead_of_hanging(tmp_path: Path, behaviour: str) -> None:
     with session(tmp_path, behaviour) as s:
         pid = s.info["pid"]
