@@ -24,6 +24,7 @@ in the worker processes, set when each engine spawns them), and the runs alterna
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -119,41 +120,27 @@ def kernel_rows(threads: int, repeat: int, which: str = "bf16") -> list[list[obj
 
 
 def e2e_rows(threads: int, rounds: int, kv_gib: float, kernel: Kernel) -> list[list[object]]:
-    from sweep import MAX_MODEL_LEN, cells
-
-    from asyncengine import LLM, SamplingParams
+    from sweep import asyncengine_session, cells, warm_up
 
     wl = dict(cells(64, 0, False))["p512-2048/prefill"]
     model = build_model("medium4k")
-    engines = {}
-    for mode, value in (("kernel", "1"), ("sdpa", "0")):
-        os.environ[kernel.switch] = value  # inherited by the worker processes this engine spawns
-        engines[mode] = LLM(
-            model=str(model),
-            dtype=str(kernel.dtype).removeprefix("torch."),
-            num_threads=threads,
-            max_num_seqs=256,
-            max_num_batched_tokens=2048,
-            kv_cache_memory_bytes=int(kv_gib * 2**30),
-            max_model_len=MAX_MODEL_LEN,
-        )
-    os.environ.pop(kernel.switch)
-    params = [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True) for _ in wl.prompts]
-    times: dict[str, list[float]] = {m: [] for m in engines}
+    dtype = str(kernel.dtype).removeprefix("torch.")
+    args = argparse.Namespace(threads=threads, max_num_batched_tokens=2048, kv_gib=kv_gib)
+    times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
     firsts: dict[str, list[int]] = {}
-    try:
-        for llm in engines.values():  # warm-up, untimed
-            llm.generate([[5 + i] * 600 for i in range(4)], SamplingParams(temperature=0.0, max_tokens=1))
+    with contextlib.ExitStack() as stack:
+        engines = {}
+        for mode, value in (("kernel", "1"), ("sdpa", "0")):
+            os.environ[kernel.switch] = value  # inherited by the worker processes this engine spawns
+            engines[mode] = stack.enter_context(asyncengine_session(model, dtype, args))
+        os.environ.pop(kernel.switch)
+        for run in engines.values():
+            run("warm-up", warm_up())  # untimed
         for _ in range(rounds):
-            for mode, llm in engines.items():
-                assert llm.reset_prefix_cache()
-                t0 = time.perf_counter()
-                outs = llm.generate(wl.prompts, params)
-                times[mode].append(time.perf_counter() - t0)
-                firsts[mode] = [o.outputs[0].token_ids[0] for o in outs]
-    finally:
-        for llm in engines.values():
-            llm.shutdown()
+            for mode, run in engines.items():
+                r = run(mode, wl)  # cold prefix cache, timed
+                times[mode].append(r["seconds"])
+                firsts[mode] = [ids[0] for ids in r["token_ids"]]
     tokens = sum(len(p) for p in wl.prompts)
     agree = sum(a == b for a, b in zip(firsts["kernel"], firsts["sdpa"]))
     print(f"first tokens equal, kernel vs SDPA: {agree}/{len(wl.prompts)}")

@@ -87,16 +87,21 @@ def check(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     assert err_kernel <= 1.1 * err_sdpa + 1e-6
 
 
-def test_rows_outside_the_call_are_untouched_and_a_row_is_batch_independent() -> None:
+def check_rows_untouched(kernel: Callable[..., bool], dtype: torch.dtype = torch.bfloat16) -> None:
+    """A prompt kernel leaves the rows outside its call alone, and a row's result does not depend on the
+    other prompts of the call (the bfloat16 and float32 kernels' tests call this too)."""
     torch.manual_seed(1)
-    q = torch.randn(40, 4, 64).to(torch.bfloat16)
-    k, v = torch.randn(40, 4, 64).to(torch.bfloat16), torch.randn(40, 4, 64).to(torch.bfloat16)
+    q, k, v = (torch.randn(40, 4, 64).to(dtype) for _ in range(3))
     alone = torch.zeros_like(q)
-    assert amx_prompt_attention(q, k, v, alone, [(10, 30, 10, 30)], 0.125, None)
+    assert kernel(q, k, v, alone, [(10, 30, 10, 30)], 0.125, None)
     assert (alone[:10] == 0).all()
     together = torch.zeros_like(q)
-    assert amx_prompt_attention(q, k, v, together, [(0, 10, 0, 10), (10, 30, 10, 30)], 0.125, None)
+    assert kernel(q, k, v, together, [(0, 10, 0, 10), (10, 30, 10, 30)], 0.125, None)
     assert torch.equal(alone[10:], together[10:])
+
+
+def test_rows_outside_the_call_are_untouched_and_a_row_is_batch_independent() -> None:
+    check_rows_untouched(amx_prompt_attention)
 
 
 def test_declines_what_it_does_not_cover() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from test_amx_attention import check, run_prompts
+from test_amx_attention import check, check_rows_untouched, run_prompts
 from test_attention_cpu import build_batch
 
 from asyncengine.cpu.attention import load_amx_library
@@ -41,31 +41,14 @@ def test_matches_sdpa_and_is_as_accurate(heads, head_dim, window, lens) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_many_sequences_take_the_fused_split(head_dim) -> None:
     """With 4+ (sequence, KV head) units per thread each thread packs a unit and runs its query tiles."""
-    torch.manual_seed(2)
     lens = [(n, n) for n in (1, 15, 16, 17, 100, 513, 64, 65)] + [(40, 300), (16, 16)]
-    t, s = sum(q for q, _ in lens), sum(kv for _, kv in lens)
-    q = torch.randn(t, 12, head_dim).to(torch.bfloat16)
-    k, v = (torch.randn(s, 12, head_dim).to(torch.bfloat16) for _ in range(2))
-    out = torch.zeros_like(q)
-    seqs, qs, ks = [], 0, 0
-    for q_len, kv_len in lens:
-        seqs.append((qs, q_len, ks, kv_len))
-        qs, ks = qs + q_len, ks + kv_len
-    assert bf16_prompt_attention(q, k, v, out, seqs, head_dim**-0.5, None)
+    q, k, v, out, seqs = run_prompts(bf16_prompt_attention, lens, (12, 12), head_dim, None)
     for q0, q_len, k0, kv_len in seqs:
         check(out[q0 : q0 + q_len], q[q0 : q0 + q_len], k[k0 : k0 + kv_len], v[k0 : k0 + kv_len], None)
 
 
 def test_rows_outside_the_call_are_untouched_and_a_row_is_batch_independent() -> None:
-    torch.manual_seed(1)
-    q = torch.randn(40, 4, 64).to(torch.bfloat16)
-    k, v = torch.randn(40, 4, 64).to(torch.bfloat16), torch.randn(40, 4, 64).to(torch.bfloat16)
-    alone = torch.zeros_like(q)
-    assert bf16_prompt_attention(q, k, v, alone, [(10, 30, 10, 30)], 0.125, None)
-    assert (alone[:10] == 0).all()
-    together = torch.zeros_like(q)
-    assert bf16_prompt_attention(q, k, v, together, [(0, 10, 0, 10), (10, 30, 10, 30)], 0.125, None)
-    assert torch.equal(alone[10:], together[10:])
+    check_rows_untouched(bf16_prompt_attention)
 
 
 def test_declines_what_it_does_not_cover(monkeypatch) -> None:
@@ -118,13 +101,28 @@ def test_backend_routes_prompts_to_the_kernel(query_lens, context_lens, monkeypa
     """The backend's dense rows go to the kernel (one call, through the block tables) next to decode rows
     of the paged kernel: close to the reference backend, and not what the SDPA fallback gives bit for bit
     (so the kernel did run); with the switch off, the SDPA path."""
-    q, k, v, kc, vc, meta = build_batch(query_lens, context_lens, 8, 2, 64, 16, torch.bfloat16)
+    check_backend_routing(query_lens, context_lens, torch.bfloat16, ENV, 2e-2, 2e-2, monkeypatch)
+
+
+def check_backend_routing(
+    query_lens: list[int],
+    context_lens: list[int],
+    dtype: torch.dtype,
+    env: str,
+    atol: float,
+    rtol: float,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The backend's output for a batch of prompt chunks (after `context_lens` cached tokens) and decode
+    rows: close to the reference backend's with the prompt kernel (switch `env`) on and off, and not equal
+    bit for bit between the two (the kernel ran). The float32 kernel's test calls this too."""
+    q, k, v, kc, vc, meta = build_batch(query_lens, context_lens, 8, 2, 64, 16, dtype)
     got = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
     ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
-    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
-    monkeypatch.setenv(ENV, "0")
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+    monkeypatch.setenv(env, "0")
     sdpa = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
-    torch.testing.assert_close(sdpa, ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(sdpa, ref, atol=atol, rtol=rtol)
     assert not torch.equal(got, sdpa)
 
 

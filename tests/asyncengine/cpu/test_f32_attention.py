@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_amx_attention import exact, run_prompts
-from test_attention_cpu import build_batch
-from test_bf16_attention import PROMPT_LENS, check_paged_keys
+from test_amx_attention import check_rows_untouched, exact, run_prompts
+from test_bf16_attention import PROMPT_LENS, check_backend_routing, check_paged_keys
 
 from asyncengine.cpu.f32_attention import ENV, f32_prompt_attention, load_library
-from asyncengine.layers.attention_cpu import CpuAttentionBackend
-from asyncengine.layers.attention_torch import TorchAttentionBackend, causal_attention
+from asyncengine.layers.attention_torch import causal_attention
 
 pytestmark = pytest.mark.skipif(
     load_library() is None, reason="the CPU has no AVX-512 (or there is no C compiler)"
@@ -48,14 +46,7 @@ def test_many_sequences_take_the_fused_split() -> None:
 
 
 def test_rows_outside_the_call_are_untouched_and_a_row_is_batch_independent() -> None:
-    torch.manual_seed(1)
-    q, k, v = (torch.randn(40, 4, 64) for _ in range(3))
-    alone = torch.zeros_like(q)
-    assert f32_prompt_attention(q, k, v, alone, [(10, 30, 10, 30)], 0.125, None)
-    assert (alone[:10] == 0).all()
-    together = torch.zeros_like(q)
-    assert f32_prompt_attention(q, k, v, together, [(0, 10, 0, 10), (10, 30, 10, 30)], 0.125, None)
-    assert torch.equal(alone[10:], together[10:])
+    check_rows_untouched(f32_prompt_attention, torch.float32)
 
 
 def test_declines_what_it_does_not_cover(monkeypatch) -> None:
@@ -79,11 +70,4 @@ def test_backend_routes_float32_prompts_to_the_kernel(query_lens, context_lens, 
     """The backend's dense float32 rows go to the kernel (one call, through the block tables) next to decode
     rows of the paged kernel: close to the reference backend, and not SDPA's result bit for bit (so the
     kernel did run); with the switch off, the SDPA path."""
-    q, k, v, kc, vc, meta = build_batch(query_lens, context_lens, 8, 2, 64, 16, torch.float32)
-    got = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
-    ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
-    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
-    monkeypatch.setenv(ENV, "0")
-    sdpa = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
-    torch.testing.assert_close(sdpa, ref, atol=2e-5, rtol=1e-4)
-    assert not torch.equal(got, sdpa)
+    check_backend_routing(query_lens, context_lens, torch.float32, ENV, 2e-5, 1e-4, monkeypatch)
