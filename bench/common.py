@@ -65,6 +65,19 @@ MODEL_SPECS: dict[str, dict[str, int]] = {
 }
 # medium's weights (same seed) with room for bench/sweep.py's 2048-token prompts + 512-token outputs
 MODEL_SPECS["medium4k"] = {**MODEL_SPECS["medium"], "max_position_embeddings": 4096}
+# bench/sweep.py --model: shapes other than medium's 12 x 64 full multi-head attention, so that the grid can
+# be measured on grouped-query attention (Llama-3 style: 16 query heads over 4 KV heads) and on 128-wide
+# heads (Qwen3 / Llama-3-8B style: 8 heads of 128 over 2 KV heads), ~150M matmul parameters each
+MODEL_SPECS["gqa4k"] = dict(
+    hidden_size=1024,
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    intermediate_size=2816,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+)
+MODEL_SPECS["hd128-4k"] = {**MODEL_SPECS["gqa4k"], "num_attention_heads": 8, "num_key_value_heads": 2}
 
 
 def build_model(name: str, root: Path = MODELS) -> Path:

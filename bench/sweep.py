@@ -15,8 +15,10 @@ the cell's time minus its row's prefill-only time. Greedy, EOS ignored: every en
 number of tokens.
 
 Model: "medium4k", a seeded random ~110M-matmul-parameter Llama (bench/common.py: hidden 768, 12
-layers, vocab 32000, 4096 positions). Each engine loads it once per dtype and runs every cell, so
-start-up is not timed; each cell starts with a cold prefix cache (both engines' reset_prefix_cache).
+layers, 12 heads of 64 with a KV head each, vocab 32000, 4096 positions); --model gqa4k (hidden 1024,
+16 heads of 64 over 4 KV heads) or hd128-4k (8 heads of 128 over 2 KV heads) for other attention
+shapes. Each engine loads it once per dtype and runs every cell, so start-up is not timed; each cell
+starts with a cold prefix cache (both engines' reset_prefix_cache).
 
 Engines: asyncengine (`LLM`, --threads torch threads), vLLM-CPU bound to --threads cores
 (VLLM_CPU_OMP_THREADS_BIND, no reserved core; bench/vllm_venv, `bash bench/setup_vllm.sh`) and, with
@@ -66,6 +68,7 @@ HERE = Path(__file__).resolve().parent
 PROMPT_RANGES = [(16, 256), (16, 1024), (512, 2048)]
 OUTPUT_RANGES = [(8, 64), (16, 128), (16, 256), (128, 512)]
 SHARED_OUTPUT = (16, 128)
+MODELS = ["medium4k", "gqa4k", "hd128-4k"]
 MAX_MODEL_LEN = 2048 + 512 + 16
 VOCAB = 32000
 
@@ -342,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", nargs="+", default=["asyncengine", "vllm"], choices=list(ENGINES))
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="medium4k", choices=MODELS, help="bench/common.py's model spec")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-gib", type=float, default=6.0)
@@ -359,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests = 16
-    model = build_model("medium4k")
+    model = build_model(args.model)
     todo = cells(args.num_requests, args.seed, args.quick)
     if args.rows:
         unknown = set(args.rows) - {name.split("/")[0] for name, _ in todo}
@@ -391,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtypes:
         run_dtype(model, dtype, engines, todo, args, saver(dtype))
     info1 = machine_info()
-    print(f"\nmodel medium4k, {args.num_requests} requests per cell, {args.threads} threads per engine")
+    print(f"\nmodel {args.model}, {args.num_requests} requests per cell, {args.threads} threads per engine")
     print(f"start: {load_line(info0)}\nend:   {load_line(info1)}\n")
     for dtype in args.dtypes:
         print(report(results[dtype], workloads, dtype) + "\n")

@@ -277,34 +277,64 @@ static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, f
         _mm512_mask_storeu_ps(s + c0, hm, _mm512_add_ps(sv, sum));                                      \
     }                                                                                                   \
 }                                                                                                       \
-/* acc += p.v for R = 1, 2 or 4 rows over the same block, 32 dims at a time: each V chunk is loaded and  \
- * widened once for all the rows (VLOAD32: two float32 vectors, lo and hi, in acc's layout; ACC_INDEX    \
- * maps a dim to its acc slot). Every row adds the same products in the same order whatever R is. */    \
+/* acc += p.v for R = 1, 2 or 4 rows and the GS heads x0 .. x0 + GS - 1 of one KV head (V rows at vh) over the \
+ * same block, 32 dims at a time: each V chunk is loaded and widened once for all of them (VLOAD32: two     \
+ * float32 vectors, lo and hi, in acc's layout; ACC_INDEX maps a dim to its acc slot), so that the heads of  \
+ * a grouped-query KV head share its widening (R x GS <= 8: 16 accumulators). Every head of every row adds  \
+ * the same products in the same order whatever R and GS are. */                                        \
+static inline __attribute__((always_inline)) void NAME##_values_gs(int R, int GS, int x0, float *const *acc, \
+                                 const float *const *scores, const KT *vh, int n, int head_dim, int width, \
+                                 int sb, long kv_stride) {                                              \
+    for (int j = 0; j < width; j += 32) {                                                               \
+        __m512 lo[8], hi[8]; /* [r * GS + g] */                                                         \
+        for (int r = 0; r < R; r++)                                                                     \
+            for (int g = 0; g < GS; g++) {                                                              \
+                const long o = (long)(x0 + g) * width + j;                                              \
+                lo[r * GS + g] = _mm512_load_ps(acc[r] + o);                                            \
+                hi[r * GS + g] = _mm512_load_ps(acc[r] + o + 16);                                       \
+            }                                                                                           \
+        for (int t = 0; t < n; t++) {                                                                   \
+            __m512 vl, vh2;                                                                             \
+            VLOAD32(vh + t * kv_stride + j, head_dim - j, &vl, &vh2);                                   \
+            for (int r = 0; r < R; r++)                                                                 \
+                for (int g = 0; g < GS; g++) {                                                          \
+                    const int x = x0 + g;                                                               \
+                    const __m512 p = _mm512_set1_ps(scores[r][(x >> 4) * sb * 16 + t * 16 + (x & 15)]); \
+                    lo[r * GS + g] = _mm512_fmadd_ps(p, vl, lo[r * GS + g]);                            \
+                    hi[r * GS + g] = _mm512_fmadd_ps(p, vh2, hi[r * GS + g]);                           \
+                }                                                                                       \
+        }                                                                                               \
+        for (int r = 0; r < R; r++)                                                                     \
+            for (int g = 0; g < GS; g++) {                                                              \
+                const long o = (long)(x0 + g) * width + j;                                              \
+                _mm512_store_ps(acc[r] + o, lo[r * GS + g]);                                            \
+                _mm512_store_ps(acc[r] + o + 16, hi[r * GS + g]);                                       \
+            }                                                                                           \
+    }                                                                                                   \
+}                                                                                                       \
+/* acc += p.v for R = 1, 2 or 4 rows over the same block, the heads of each KV head in runs of up to 8 / R \
+ * (measured with 16 heads over 4 KV heads: ~3x the arithmetic per byte of K/V of 12 full heads, and the \
+ * widening of V repeated per head had made the kernel compute-bound). */                              \
 static inline __attribute__((always_inline)) void NAME##_values(int R, float *const *acc, const float *const *scores, const KT *vb, int n, \
                                  int nkv, int group, int head_dim, int width, int sb, long kv_stride,     \
                                  const KT *v_next) {                                                    \
-    const int hg = nkv * group;                                                                         \
-    for (int x = 0; x < hg; x++) {                                                                      \
-        const KT *vh = vb + (x / group) * head_dim;                                                     \
+    const int hg = nkv * group, cap = 8 / R;                                                            \
+    for (int x0 = 0, gs; x0 < hg; x0 += gs) {                                                           \
+        const int kv = x0 / group, left = (kv + 1) * group - x0; /* this KV head's heads from x0 */     \
+        gs = cap >= 8 && left >= 8 ? 8 : cap >= 4 && left >= 4 ? 4 : cap >= 2 && left >= 2 ? 2 : 1;     \
+        const KT *vh = vb + kv * head_dim;                                                              \
         if (v_next) /* the next block's V rows, a share per head */                                     \
-            for (int t = x * n / hg; t < (x + 1) * n / hg; t++)                                          \
+            for (int t = x0 * n / hg; t < (x0 + gs) * n / hg; t++)                                      \
                 for (long b = 0; b < (long)nkv * head_dim * (long)sizeof(KT); b += 64)                  \
                     _mm_prefetch((const char *)(v_next + t * kv_stride) + b, _MM_HINT_T1);               \
-        for (int j = 0; j < width; j += 32) {                                                           \
-            const long o = (long)x * width + j;                                                         \
-            __m512 lo[4], hi[4];                                                                        \
-            for (int r = 0; r < R; r++) { lo[r] = _mm512_load_ps(acc[r] + o); hi[r] = _mm512_load_ps(acc[r] + o + 16); } \
-            for (int t = 0; t < n; t++) {                                                               \
-                __m512 vl, vh2;                                                                         \
-                VLOAD32(vh + t * kv_stride + j, head_dim - j, &vl, &vh2);                               \
-                for (int r = 0; r < R; r++) {                                                           \
-                    const __m512 p = _mm512_set1_ps(scores[r][(x >> 4) * sb * 16 + t * 16 + (x & 15)]);                             \
-                    lo[r] = _mm512_fmadd_ps(p, vl, lo[r]);                                              \
-                    hi[r] = _mm512_fmadd_ps(p, vh2, hi[r]);                                             \
-                }                                                                                       \
-            }                                                                                           \
-            for (int r = 0; r < R; r++) { _mm512_store_ps(acc[r] + o, lo[r]); _mm512_store_ps(acc[r] + o + 16, hi[r]); } \
-        }                                                                                               \
+        if (cap >= 8 && gs == 8)                                                                        \
+            NAME##_values_gs(R, 8, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);             \
+        else if (cap >= 4 && gs == 4)                                                                   \
+            NAME##_values_gs(R, 4, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);             \
+        else if (cap >= 2 && gs == 2)                                                                   \
+            NAME##_values_gs(R, 2, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);             \
+        else                                                                                            \
+            NAME##_values_gs(R, 1, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);             \
     }                                                                                                   \
 }
 
