@@ -64,6 +64,11 @@ def load_kernel_library(portable: bool = False) -> ctypes.CDLL | None:
         fn.argtypes = (
             [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         )
+    lib.paged_attention_use_amx.restype = ctypes.c_int
+    lib.paged_attention_use_amx.argtypes = [ctypes.c_int]
+    # grouped-query decode scores on AMX tiles where the build and the CPU have them (ASYNCENGINE_CPU_AMX=0:
+    # off, as every AMX kernel)
+    lib.paged_attention_use_amx(int(amx.allowed()))
     return lib
 
 

@@ -23,6 +23,12 @@
  * two ALU ops, and prefetches the next cache block: 2-2.5x the portable one's speed (the shuffle tree,
  * the softmax layout and the V split took a bfloat16 layer at batch 64 from 2.47 to 2.32 ms cold and from
  * 0.87 to 0.74 ms with the keys in cache).
+ * Grouped-query attention (several heads a KV head) has that many times the arithmetic per byte of K/V and
+ * had made the kernel compute-bound (16 heads over 4 KV heads: 18 GB/s with K/V in cache against ~50 for
+ * 12 full heads): the p.v pass widens a V chunk once for all the heads of its KV head, and with a
+ * bfloat16 cache on an AMX CPU the scores run on AMX tiles (amx_scores below; 16 over 4 heads 41 GB/s in
+ * cache, 8 over 2 heads 0.60 -> 0.38 ms a layer at batch 64 x 256 keys out of cache). Setting
+ * ASYNCENGINE_CPU_AMX=0 keeps the AVX-512 path (cpu/attention.py calls paged_attention_use_amx).
  */
 #include <stdlib.h>
 
@@ -110,6 +116,111 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
 }
 
 
+/* ---- Decode scores on AMX tiles, for grouped-query attention ----
+ * With several query heads a KV head, the q.k dots are most of the kernel's arithmetic per byte of K/V (16
+ * heads over 4 KV heads: 4 dots for each 64-dim key row read), and the AVX-512 path pays a horizontal
+ * reduction per key and head. On AMX, 16 keys' scores for 16 heads are one float32 tile,
+ *     S [16 keys][16 heads] = sum over the KV heads h covering those heads of  K_h [16 keys][D] x Q_h^T [D][16],
+ * where K_h is read straight from the cache (16 key rows, the cache's row stride) and Q_h^T is the row's
+ * query packed once per call as B tiles holding only the heads of KV head h (zero columns for the others,
+ * so that each head's sum has its own KV head's products only). The tile is stored in the layout the
+ * online softmax takes (per key, 16 heads in a vector). The products of two bfloat16 are exact in float32;
+ * the additions run in the tile unit's order, so scores can differ from the AVX-512 path's in the last
+ * bits: the choice depends only on the shape (heads, head_dim, block size), never on the batch. */
+#if defined(HAVE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
+#include "amx_common.h" /* request_tiles, configure_tiles, TILE */
+#define HAVE_AMX_SCORES 1
+static int amx_scores_on = 0;
+/* Turns the AMX scores on (asks Linux for the tile state) or off; returns whether they are on. */
+int paged_attention_use_amx(int on) {
+    amx_scores_on = on && request_tiles();
+    return amx_scores_on;
+}
+static inline void amx_begin(void) { configure_tiles(16); }
+static inline void amx_end(void) { _tile_release(); }
+/* The KV heads (first, last) whose heads fall in the 16-head chunk from head c0 of hg. */
+static inline int chunk_first(int c0, int group) { return c0 / group; }
+static inline int chunk_last(int c0, int hg, int group) { return ((c0 + 16 < hg ? c0 + 16 : hg) - 1) / group; }
+/* B tiles of a row's query over hg heads (head_dim / 32 per KV head of each 16-head chunk). */
+static int qt_tiles(int hg, int group, int head_dim) {
+    int n = 0;
+    for (int c0 = 0; c0 < hg; c0 += 16) n += (chunk_last(c0, hg, group) - chunk_first(c0, group) + 1) * (head_dim / 32);
+    return n;
+}
+/* q [hg][head_dim] bfloat16 -> qt: per chunk, per KV head h, per 32 dims a B tile [16 dim pairs][16 heads][2]
+ * with the chunk's heads of h in their columns and zero elsewhere. */
+static void pack_qt(uint16_t *qt, const uint16_t *q, int hg, int group, int head_dim) {
+    for (int c0 = 0; c0 < hg; c0 += 16)
+        for (int h = chunk_first(c0, group); h <= chunk_last(c0, hg, group); h++)
+            for (int db = 0; db < head_dim / 32; db++, qt += TILE) {
+                uint32_t *t = (uint32_t *)qt; /* [16 pairs][16 columns] */
+                memset(t, 0, 1024);
+                for (int x = c0; x < c0 + 16 && x < hg; x++)
+                    if (x / group == h) {
+                        const uint16_t *qx = q + (long)x * head_dim + db * 32;
+                        for (int p = 0; p < 16; p++) memcpy(t + p * 16 + (x - c0), qx + 2 * p, 4);
+                    }
+            }
+}
+/* scores [hg / 16][sb][16] (scaled) of n <= sb keys from kb (the block's first key at the run's first KV
+ * head; rows kv_stride elements apart, whole 16-key tiles readable) against the packed query qt; the next
+ * block's key rows (row_bytes each from k_next, NULL: none) are prefetched between the tiles. */
+static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, const char *k_next, float *scores, int n,
+                              int hg, int group, int head_dim, int sb, long kv_stride, long row_bytes,
+                              float scale) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    const int DB = head_dim / 32;
+    for (int c0 = 0; c0 < hg; c0 += 16) {
+        const int h0 = chunk_first(c0, group), h1 = chunk_last(c0, hg, group);
+        float *out = scores + (size_t)c0 * sb;
+        for (int t0 = 0; t0 < n; t0 += 16) {
+            _tile_zero(0);
+            int i = 0;
+            for (int h = h0; h <= h1; h++)
+                for (int db = 0; db < DB; db++, i++) {
+                    const uint16_t *a = kb + t0 * kv_stride + h * head_dim + db * 32, *b = qt + (size_t)i * TILE;
+                    if (i & 1) { /* alternate operand tiles, so that a load need not wait on the last product */
+                        _tile_loadd(5, a, kv_stride * 2);
+                        _tile_loadd(7, b, 64);
+                        _tile_dpbf16ps(0, 5, 7);
+                    } else {
+                        _tile_loadd(4, a, kv_stride * 2);
+                        _tile_loadd(6, b, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                    }
+                }
+            if (k_next && c0 == 0)
+                for (int t = t0; t < n && t < t0 + 16; t++)
+                    for (long l = 0; l < row_bytes; l += 64) _mm_prefetch(k_next + t * kv_stride * 2 + l, _MM_HINT_T1);
+            _tile_stored(0, out + t0 * 16, 64);
+            for (int t = t0; t < n && t < t0 + 16; t++)
+                _mm512_store_ps(out + t * 16, _mm512_mul_ps(_mm512_load_ps(out + t * 16), sc));
+        }
+        qt += (size_t)(h1 - h0 + 1) * DB * TILE;
+    }
+}
+#else
+#define HAVE_AMX_SCORES 0
+#define amx_scores_on 0
+int paged_attention_use_amx(int on) {
+    (void)on;
+    return 0;
+}
+static inline void amx_begin(void) {}
+static inline void amx_end(void) {}
+static inline int qt_tiles(int hg, int group, int head_dim) { (void)hg; (void)group; (void)head_dim; return 0; }
+static inline void pack_qt(uint16_t *qt, const uint16_t *q, int hg, int group, int head_dim) {
+    (void)qt; (void)q; (void)hg; (void)group; (void)head_dim;
+}
+static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, const char *k_next, float *scores, int n,
+                              int hg, int group, int head_dim, int sb, long kv_stride, long row_bytes,
+                              float scale) {
+    (void)qt; (void)kb; (void)k_next; (void)scores; (void)n; (void)hg; (void)group; (void)head_dim; (void)sb;
+    (void)kv_stride; (void)row_bytes; (void)scale;
+}
+#endif
+
 #ifdef HAVE_AVX512
 
 /* load16_f32 / load16_bf16 / load16_e5m2 (cpu_common.h): 16 cache elements as float32, zero past head_dim. */
@@ -188,11 +299,13 @@ static inline long take(long *counter) { return __atomic_fetch_add(counter, 1, _
 
 /* Row j's slice of a work item's scratch: its query (in the kernel's QT, cast by the caller) and acc,
  * [hg][width] floats each, then m and s [hg]; slices are row_floats apart. */
-typedef struct { float *q, *acc, *m, *s; } RowState;
+typedef struct { float *q, *acc, *m, *s; uint16_t *qt; } RowState;
 static inline RowState row_state(float *buf, size_t row_floats, int j, int max_hg, int width) {
     float *q = buf + row_floats * (size_t)j, *acc = q + (size_t)max_hg * width,
           *m = acc + (size_t)max_hg * width;
-    return (RowState){q, acc, m, m + max_hg};
+    /* then, 64-byte aligned, the query's AMX tiles where the scores run on AMX (amx_scores) */
+    uint16_t *qt = (uint16_t *)(m + ((size_t)2 * max_hg + 15) / 16 * 16);
+    return (RowState){q, acc, m, m + max_hg, qt};
 }
 
 /* 16 dot-product vectors (16 partial sums each) to one vector whose lane t is the sum of d[t]: a
@@ -228,10 +341,14 @@ static inline __m512 hsum16x16(const __m512 d[16]) {
  * A second block ahead instead of one measured no better. */
 #define DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32)                                                 \
 static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, float *scores,             \
-                                 const KT *kb, const KT *k_next, int n, int nkv,                          \
+                                 const KT *kb, const KT *k_next, const uint16_t *qt, int n, int nkv,      \
                                  int group, int head_dim, int width, int qw, int sb, long kv_stride,      \
                                  float scale) {                                                         \
     const int hg = nkv * group;                                                                         \
+    if (qt) /* on AMX tiles (amx_scores): the heads of a KV head share its key rows */                   \
+        amx_scores(qt, (const uint16_t *)kb, (const char *)k_next, scores, n, hg, group, head_dim, sb,   \
+                   kv_stride, (long)nkv * head_dim * (long)sizeof(KT), scale);                          \
+    else                                                                                                \
     for (int t = 0; t < n; t++) {                                                                       \
         if (k_next)                                                                                     \
             for (long b = 0; b < (long)nkv * head_dim * (long)sizeof(KT); b += 64) {                     \
@@ -380,7 +497,7 @@ static inline void flush_state(float *dst, int h0, int hg, int width, float *acc
  * heads while there are items enough to keep the threads busy (the keys of a cache block are then one
  * contiguous stream), fewer while the largest item would hold more than a quarter of a thread's share
  * of the work. */
-#define DEFINE_AVX512_KERNEL(NAME, T, KT, QT, QLOAD, QDOT, VLOAD32, ACC_INDEX, STORE)                   \
+#define DEFINE_AVX512_KERNEL(NAME, T, KT, QT, QLOAD, QDOT, VLOAD32, ACC_INDEX, STORE, AMX)              \
 DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32)                                                          \
 int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t *block_tables,             \
          const int32_t *query_start, const int32_t *seq_lens, const uint8_t *skip, int num_seqs,          \
@@ -454,7 +571,10 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
     const long total = (long)num_items * num_chunks, kv_stride = (long)num_kv_heads * head_dim;         \
     const int max_hg = per * group, max_hg16 = (max_hg + 15) / 16 * 16;                                  \
     /* one row's q, acc [hg][width]; m, s [hg]; rounded to 16 floats so every row's q and acc stay 64-byte aligned */ \
-    const size_t row_floats = ((size_t)max_hg * (2 * width + 2) + 15) / 16 * 16;                      \
+    /* the scores on AMX tiles: a bfloat16 cache (AMX), several heads a KV head, whole tiles of keys */  \
+    const int amx = AMX && amx_scores_on && group >= 2 && head_dim % 32 == 0 && block_size % 16 == 0;   \
+    const size_t row_floats = (size_t)max_hg * 2 * width + ((size_t)2 * max_hg + 15) / 16 * 16          \
+                              + (amx ? (size_t)qt_tiles(max_hg, group, head_dim) * 256 : 0);            \
     int failed = 0;                                                                                     \
     long counter = 0; /* the next work item to hand out */                                              \
     _Pragma("omp parallel num_threads(num_threads)")                                                    \
@@ -467,6 +587,7 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
             failed = 1;                                                                                 \
         }                                                                                               \
         float *scores = buf + row_floats * (size_t)biggest;                                             \
+        if (amx) amx_begin();                                                                           \
         /* items by an atomic counter, each thread holding the one it does next while items are many  \
          * (with few, holding one would starve the other threads): its first cache block is prefetched  \
          * during the current item's last instead of met cold (batch 64: 1.89 -> 1.80 ms a layer at 256 \
@@ -500,6 +621,7 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                     for (int d = 0; d < width; d++) acc[x * width + d] = 0.f;                           \
                     m[x] = -INFINITY; s[x] = 0.f;                                                       \
                 }                                                                                       \
+                if (amx) pack_qt(st.qt, (const uint16_t *)(q + ((long)row * num_heads + h0) * head_dim), hg, group, head_dim); \
             }                                                                                           \
             /* the shared blocks: each one read from memory once, by the group's first row */            \
             const int32_t *t0 = block_tables + (long)row_seq[order[gr.first]] * max_blocks;             \
@@ -523,7 +645,8 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                         const int pf = j == 0 && next >= 0;                                             \
                         accs[r] = acc; scs[r] = scores + (size_t)r * max_hg16 * sb;                       \
                         NAME##_scores(qf, acc, m, s, scs[r], k_cache + base, pf ? k_cache + next : NULL, \
-                                      block_size, nkv, group, head_dim, width, qw, sb, kv_stride, scale); \
+                                      amx ? st.qt : NULL, block_size, nkv, group, head_dim, width, qw, sb, \
+                                      kv_stride, scale);                                                \
                     }                                                                                   \
                     const KT *vpf = j0 == 0 && next >= 0 ? v_cache + next : NULL; /* by the first call */ \
                     if (rows == 4)                                                                      \
@@ -560,7 +683,8 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                         ? ((long)table[start / block_size + 1] * block_size * num_kv_heads + kv0) * head_dim \
                         : j == gr.count - 1 ? upcoming_base : -1;                                       \
                     NAME##_scores(qf, acc, m, s, scores, k_cache + base, next >= 0 ? k_cache + next : NULL, \
-                                  n, nkv, group, head_dim, width, qw, sb, kv_stride, scale);           \
+                                  amx && off == 0 ? st.qt : NULL, n, nkv, group, head_dim, width, qw, sb, \
+                                  kv_stride, scale);                                                    \
                     NAME##_values(1, &acc, (const float *const *)&scores, v_cache + base, n, nkv, group, head_dim, width, sb, \
                                   kv_stride, next >= 0 ? v_cache + next : NULL);                        \
                 }                                                                                       \
@@ -576,6 +700,7 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
+        if (amx) amx_end();                                                                             \
         _Pragma("omp barrier") /* every partial is in: each split row's segments, merged */             \
         _Pragma("omp for schedule(static)")                                                             \
         for (long w = 0; w < (long)num_split * num_heads; w++) {                                        \
@@ -641,11 +766,11 @@ static inline int acc_plain(int d) { return d; }
 static inline int acc_even_odd(int d) { return (d & ~31) + (d & 1) * 16 + ((d & 31) >> 1); }
 
 DEFINE_AVX512_KERNEL(paged_attention_f32, float, float, float, load_f32, dot_f32, vload32_f32, acc_plain,
-                     store_f32)
+                     store_f32, 0)
 DEFINE_AVX512_KERNEL(paged_attention_f32_e5m2, float, uint8_t, float, load_f32, dot_e5m2, vload32_e5m2,
-                     acc_plain, store_f32)
+                     acc_plain, store_f32, 0)
 DEFINE_AVX512_KERNEL(paged_attention_bf16_e5m2, uint16_t, uint8_t, float, bf16_to_f32, dot_e5m2, vload32_e5m2,
-                     acc_plain, store_bf16)
+                     acc_plain, store_bf16, 0)
 #ifdef __AVX512BF16__
 /* bfloat16 query and keys: vdpbf16ps multiplies 32 pairs and adds them in float32 in one instruction,
  * in place of two widenings and two FMAs per 16 elements. The products of two bfloat16 are exact in
@@ -663,10 +788,10 @@ static inline __m512 dot_bf16_dp(const uint16_t *q, const uint16_t *k, int head_
     return dot;
 }
 DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, uint16_t, load_bits, dot_bf16_dp, vload32_bf16,
-                     acc_even_odd, store_bf16)
+                     acc_even_odd, store_bf16, HAVE_AMX_SCORES)
 #else
 DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, float, bf16_to_f32, dot_bf16, vload32_bf16,
-                     acc_even_odd, store_bf16)
+                     acc_even_odd, store_bf16, 0)
 #endif
 
 #else /* portable */

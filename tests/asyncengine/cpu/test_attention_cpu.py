@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from asyncengine.cpu import amx
 from asyncengine.cpu.attention import load_kernel_library
 from asyncengine.layers.attention import AttentionMetadata, write_kv_cache
 from asyncengine.layers.attention_cpu import CpuAttentionBackend
@@ -281,7 +282,7 @@ def test_shared_prefix_blocks_change_no_bit(dtype, heads, head_dim, num_threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,head_dim", [((12, 12), 64), ((8, 2), 80)])
+@pytest.mark.parametrize("heads,head_dim", [((12, 12), 64), ((8, 2), 80), ((16, 4), 64)])
 @pytest.mark.parametrize("window", [None, 1100])
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
 def test_long_rows_give_the_same_bits_in_any_batch(dtype, heads, head_dim, window, num_threads) -> None:
@@ -324,3 +325,40 @@ def test_long_rows_give_the_same_bits_in_any_batch(dtype, heads, head_dim, windo
         torch.set_num_threads(previous)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+def amx_scores_available() -> bool:
+    lib = load_kernel_library()
+    return lib is not None and bool(lib.paged_attention_use_amx(int(amx.allowed())))
+
+
+@pytest.mark.skipif(not amx_scores_available(), reason="no AMX-BF16 (or ASYNCENGINE_CPU_AMX=0)")
+@pytest.mark.parametrize(
+    "heads,head_dim,block_size", [((16, 4), 64, 16), ((24, 8), 64, 32), ((8, 2), 128, 16), ((6, 3), 96, 16)]
+)
+def test_amx_scores_agree_with_the_vector_path(heads, head_dim, block_size) -> None:
+    """Grouped-query decode scores on AMX tiles (csrc/paged_attention.c's amx_scores) against the AVX-512
+    path on the same batch, to bfloat16 rounding, and against the reference: rows of 1-3000 keys (partial
+    tiles, several segments), a multi-row chunk, a shared prefix (rows walked 4, 2 and 1 at a time), 24
+    heads over 8 KV heads (a 16-head chunk cuts a KV head's group in two), 32-key blocks (two tiles a block)
+    and 128- and 96-wide heads."""
+    lib = load_kernel_library()
+    num_heads, num_kv_heads = heads
+    query_lens = [1] * 20 + [7, 1]
+    context_lens = [1 + 53 * i for i in range(20)] + [90, 3000]
+    q, k, v, kc, vc, meta = build_batch(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16
+    )
+    share_prefix(meta.block_tables, list(range(10, 19)), 200 // block_size)
+    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, 0.1)
+    try:
+        assert lib.paged_attention_use_amx(0) == 0
+        vector = CpuAttentionBackend(lib).forward(q, k, v, kc, vc, meta, 0.1)
+        assert lib.paged_attention_use_amx(1) == 1
+        tiles = CpuAttentionBackend(lib).forward(q, k, v, kc, vc, meta, 0.1)
+    finally:
+        lib.paged_attention_use_amx(int(amx.allowed()))
+    # the tile path ran: its sums, added in another order, round differently somewhere in these outputs
+    assert not torch.equal(tiles, vector)
+    torch.testing.assert_close(tiles.float(), vector.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(tiles.float(), ref, atol=2e-2, rtol=2e-2)
