@@ -66,8 +66,8 @@ def load_kernel_library(portable: bool = False) -> ctypes.CDLL | None:
         )
     lib.paged_attention_use_amx.restype = ctypes.c_int
     lib.paged_attention_use_amx.argtypes = [ctypes.c_int]
-    # grouped-query decode scores on AMX tiles where the build and the CPU have them (ASYNCENGINE_CPU_AMX=0:
-    # off, as every AMX kernel)
+    # grouped-query decode scores on AMX tiles where the build has them (ASYNCENGINE_CPU_AMX=0: off, as every
+    # AMX kernel); the kernel asks Linux for the tile state on its first such call
     lib.paged_attention_use_amx(int(amx.allowed()))
     return lib
 

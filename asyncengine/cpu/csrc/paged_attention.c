@@ -131,11 +131,21 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
     defined(__linux__)
 #include "amx_common.h" /* request_tiles, configure_tiles, TILE */
 #define HAVE_AMX_SCORES 1
-static int amx_scores_on = 0;
-/* Turns the AMX scores on (asks Linux for the tile state) or off; returns whether they are on. */
+static int amx_scores_on = 0, amx_granted = -1; /* -1: tile state not asked for yet */
+/* Turns the AMX scores on or off (cpu/attention.py, at load); returns whether they are on. */
 int paged_attention_use_amx(int on) {
-    amx_scores_on = on && request_tiles();
-    return amx_scores_on;
+    amx_scores_on = on;
+    return on;
+}
+/* Linux's tile state, asked for by the first call that would use it: a worker whose attention never runs on
+ * AMX (float32, full heads) never asks. */
+static inline int amx_ready(void) {
+    int granted = __atomic_load_n(&amx_granted, __ATOMIC_RELAXED);
+    if (granted < 0) {
+        granted = request_tiles();
+        __atomic_store_n(&amx_granted, granted, __ATOMIC_RELAXED);
+    }
+    return granted;
 }
 static inline void amx_begin(void) { configure_tiles(16); }
 static inline void amx_end(void) { _tile_release(); }
@@ -207,6 +217,7 @@ int paged_attention_use_amx(int on) {
     (void)on;
     return 0;
 }
+static inline int amx_ready(void) { return 0; }
 static inline void amx_begin(void) {}
 static inline void amx_end(void) {}
 static inline int qt_tiles(int hg, int group, int head_dim) { (void)hg; (void)group; (void)head_dim; return 0; }
@@ -572,7 +583,8 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
     const int max_hg = per * group, max_hg16 = (max_hg + 15) / 16 * 16;                                  \
     /* one row's q, acc [hg][width]; m, s [hg]; rounded to 16 floats so every row's q and acc stay 64-byte aligned */ \
     /* the scores on AMX tiles: a bfloat16 cache (AMX), several heads a KV head, whole tiles of keys */  \
-    const int amx = AMX && amx_scores_on && group >= 2 && head_dim % 32 == 0 && block_size % 16 == 0;   \
+    const int amx = AMX && amx_scores_on && group >= 2 && head_dim % 32 == 0 && block_size % 16 == 0    \
+                    && amx_ready();                                                                     \
     const size_t row_floats = (size_t)max_hg * 2 * width + ((size_t)2 * max_hg + 15) / 16 * 16          \
                               + (amx ? (size_t)qt_tiles(max_hg, group, head_dim) * 256 : 0);            \
     int failed = 0;                                                                                     \
