@@ -26,9 +26,9 @@
  * Grouped-query attention (several heads a KV head) has that many times the arithmetic per byte of K/V and
  * had made the kernel compute-bound (16 heads over 4 KV heads: 18 GB/s with K/V in cache against ~50 for
  * 12 full heads): the p.v pass widens a V chunk once for all the heads of its KV head, and with a
- * bfloat16 cache on an AMX CPU the scores run on AMX tiles (amx_scores below; 16 over 4 heads 41 GB/s in
- * cache, 8 over 2 heads 0.60 -> 0.38 ms a layer at batch 64 x 256 keys out of cache). Setting
- * ASYNCENGINE_CPU_AMX=0 keeps the AVX-512 path (cpu/attention.py calls paged_attention_use_amx).
+ * bfloat16 cache on an AMX CPU and 3+ heads a KV head the scores run on AMX tiles (amx_scores below; 16
+ * over 4 heads 41 GB/s in cache, 8 over 2 heads 0.60 -> 0.38 ms a layer at batch 64 x 256 keys out of
+ * cache). ASYNCENGINE_CPU_AMX=0 keeps the AVX-512 path (cpu/attention.py calls paged_attention_use_amx).
  */
 #include <stdlib.h>
 
@@ -37,6 +37,13 @@
 #define MAX_HEAD_DIM 512
 #define MAX_BLOCK 256
 #define MAX_GROUP 64
+/* Heads a KV head from which the decode scores run on AMX tiles (amx_scores): with fewer, most of each tile
+ * product is zero columns, and out of cache the tile loads wait on K rows the AVX-512 loop would overlap
+ * (bfloat16, batch 64 x 256 keys: 8 heads over 4 KV heads 0.97-0.99 ms a layer on tiles against 0.90;
+ * 12 over 4 1.02 against 1.05-1.12; 12 full heads 45 against 51 GB/s even in cache). */
+#ifndef MIN_AMX_GROUP
+#define MIN_AMX_GROUP 3
+#endif
 
 #define DEFINE_KERNEL(NAME, T, KT, LOAD, KLOAD, STORE)                                                  \
 int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t *block_tables,             \
@@ -127,8 +134,8 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
  * online softmax takes (per key, 16 heads in a vector). The products of two bfloat16 are exact in float32;
  * the additions run in the tile unit's order, so scores can differ from the AVX-512 path's in the last
  * bits: the choice depends only on the shape (heads, head_dim, block size), never on the batch. */
-#if defined(HAVE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__linux__)
+#if defined(HAVE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)        \
+    && defined(__linux__)
 #include "amx_common.h" /* request_tiles, configure_tiles, TILE */
 #define HAVE_AMX_SCORES 1
 static int amx_scores_on = 0, amx_granted = -1; /* -1: tile state not asked for yet */
@@ -151,11 +158,14 @@ static inline void amx_begin(void) { configure_tiles(16); }
 static inline void amx_end(void) { _tile_release(); }
 /* The KV heads (first, last) whose heads fall in the 16-head chunk from head c0 of hg. */
 static inline int chunk_first(int c0, int group) { return c0 / group; }
-static inline int chunk_last(int c0, int hg, int group) { return ((c0 + 16 < hg ? c0 + 16 : hg) - 1) / group; }
+static inline int chunk_last(int c0, int hg, int group) {
+    return ((c0 + 16 < hg ? c0 + 16 : hg) - 1) / group;
+}
 /* B tiles of a row's query over hg heads (head_dim / 32 per KV head of each 16-head chunk). */
 static int qt_tiles(int hg, int group, int head_dim) {
     int n = 0;
-    for (int c0 = 0; c0 < hg; c0 += 16) n += (chunk_last(c0, hg, group) - chunk_first(c0, group) + 1) * (head_dim / 32);
+    for (int c0 = 0; c0 < hg; c0 += 16)
+        n += (chunk_last(c0, hg, group) - chunk_first(c0, group) + 1) * (head_dim / 32);
     return n;
 }
 /* q [hg][head_dim] bfloat16 -> qt: per chunk, per KV head h, per 32 dims a B tile [16 dim pairs][16 heads][2]
@@ -176,8 +186,8 @@ static void pack_qt(uint16_t *qt, const uint16_t *q, int hg, int group, int head
 /* scores [hg / 16][sb][16] (scaled) of n <= sb keys from kb (the block's first key at the run's first KV
  * head; rows kv_stride elements apart, whole 16-key tiles readable) against the packed query qt; the next
  * block's key rows (row_bytes each from k_next, NULL: none) are prefetched between the tiles. */
-static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, const char *k_next, float *scores, int n,
-                              int hg, int group, int head_dim, int sb, long kv_stride, long row_bytes,
+static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, const char *k_next, float *scores,
+                              int n, int hg, int group, int head_dim, int sb, long kv_stride, long row_bytes,
                               float scale) {
     const __m512 sc = _mm512_set1_ps(scale);
     const int DB = head_dim / 32;
@@ -189,8 +199,10 @@ static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, const char
             int i = 0;
             for (int h = h0; h <= h1; h++)
                 for (int db = 0; db < DB; db++, i++) {
-                    const uint16_t *a = kb + t0 * kv_stride + h * head_dim + db * 32, *b = qt + (size_t)i * TILE;
-                    if (i & 1) { /* alternate operand tiles, so that a load need not wait on the last product */
+                    const uint16_t *a = kb + t0 * kv_stride + h * head_dim + db * 32,
+                                   *b = qt + (size_t)i * TILE;
+                    /* alternate operand tiles, so that a load need not wait on the last product */
+                    if (i & 1) {
                         _tile_loadd(5, a, kv_stride * 2);
                         _tile_loadd(7, b, 64);
                         _tile_dpbf16ps(0, 5, 7);
@@ -202,7 +214,8 @@ static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, const char
                 }
             if (k_next && c0 == 0)
                 for (int t = t0; t < n && t < t0 + 16; t++)
-                    for (long l = 0; l < row_bytes; l += 64) _mm_prefetch(k_next + t * kv_stride * 2 + l, _MM_HINT_T1);
+                    for (long l = 0; l < row_bytes; l += 64)
+                        _mm_prefetch(k_next + t * kv_stride * 2 + l, _MM_HINT_T1);
             _tile_stored(0, out + t0 * 16, 64);
             for (int t = t0; t < n && t < t0 + 16; t++)
                 _mm512_store_ps(out + t * 16, _mm512_mul_ps(_mm512_load_ps(out + t * 16), sc));
@@ -213,10 +226,8 @@ static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, const char
 #else
 #define HAVE_AMX_SCORES 0
 #define amx_scores_on 0
-int paged_attention_use_amx(int on) {
-    (void)on;
-    return 0;
-}
+/* clang-format off */
+int paged_attention_use_amx(int on) { (void)on; return 0; }
 static inline int amx_ready(void) { return 0; }
 static inline void amx_begin(void) {}
 static inline void amx_end(void) {}
@@ -224,12 +235,13 @@ static inline int qt_tiles(int hg, int group, int head_dim) { (void)hg; (void)gr
 static inline void pack_qt(uint16_t *qt, const uint16_t *q, int hg, int group, int head_dim) {
     (void)qt; (void)q; (void)hg; (void)group; (void)head_dim;
 }
-static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, const char *k_next, float *scores, int n,
-                              int hg, int group, int head_dim, int sb, long kv_stride, long row_bytes,
+static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, const char *k_next, float *scores,
+                              int n, int hg, int group, int head_dim, int sb, long kv_stride, long row_bytes,
                               float scale) {
     (void)qt; (void)kb; (void)k_next; (void)scores; (void)n; (void)hg; (void)group; (void)head_dim; (void)sb;
     (void)kv_stride; (void)row_bytes; (void)scale;
 }
+/* clang-format on */
 #endif
 
 #ifdef HAVE_AVX512
@@ -310,7 +322,10 @@ static inline long take(long *counter) { return __atomic_fetch_add(counter, 1, _
 
 /* Row j's slice of a work item's scratch: its query (in the kernel's QT, cast by the caller) and acc,
  * [hg][width] floats each, then m and s [hg]; slices are row_floats apart. */
-typedef struct { float *q, *acc, *m, *s; uint16_t *qt; } RowState;
+typedef struct {
+    float *q, *acc, *m, *s;
+    uint16_t *qt;
+} RowState;
 static inline RowState row_state(float *buf, size_t row_floats, int j, int max_hg, int width) {
     float *q = buf + row_floats * (size_t)j, *acc = q + (size_t)max_hg * width,
           *m = acc + (size_t)max_hg * width;
@@ -582,8 +597,8 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
     const long total = (long)num_items * num_chunks, kv_stride = (long)num_kv_heads * head_dim;         \
     const int max_hg = per * group, max_hg16 = (max_hg + 15) / 16 * 16;                                  \
     /* one row's q, acc [hg][width]; m, s [hg]; rounded to 16 floats so every row's q and acc stay 64-byte aligned */ \
-    /* the scores on AMX tiles: a bfloat16 cache (AMX), several heads a KV head, whole tiles of keys */  \
-    const int amx = AMX && amx_scores_on && group >= 2 && head_dim % 32 == 0 && block_size % 16 == 0    \
+    /* the scores on AMX tiles: a bfloat16 cache (AMX), 3+ heads a KV head, whole tiles of keys */      \
+    const int amx = AMX && amx_scores_on && group >= MIN_AMX_GROUP && head_dim % 32 == 0 && block_size % 16 == 0    \
                     && amx_ready();                                                                     \
     const size_t row_floats = (size_t)max_hg * 2 * width + ((size_t)2 * max_hg + 15) / 16 * 16          \
                               + (amx ? (size_t)qt_tiles(max_hg, group, head_dim) * 256 : 0);            \

@@ -334,7 +334,7 @@ def amx_scores_available() -> bool:
 
 @pytest.mark.skipif(not amx_scores_available(), reason="no AMX-BF16 (or ASYNCENGINE_CPU_AMX=0)")
 @pytest.mark.parametrize(
-    "heads,head_dim,block_size", [((16, 4), 64, 16), ((24, 8), 64, 32), ((8, 2), 128, 16), ((6, 3), 96, 16)]
+    "heads,head_dim,block_size", [((16, 4), 64, 16), ((24, 8), 64, 32), ((8, 2), 128, 16), ((9, 3), 96, 16)]
 )
 def test_amx_scores_agree_with_the_vector_path(heads, head_dim, block_size) -> None:
     """Grouped-query decode scores on AMX tiles (csrc/paged_attention.c's amx_scores) against the AVX-512
