@@ -115,7 +115,6 @@ def main() -> int:
     stream = STREAM_BYTES / stream_read_seconds() / 1e9
     layout = Heads(args.heads, args.kv_heads or args.heads, args.head_dim)
     lib = load_kernel_library()
-    loaded = lib.paged_attention_use_amx(int(cpu_amx.allowed())) if lib is not None else 0
     modes: list[bool | None] = [True, False] if args.amx_ab else [None]
     rows, results = [], []
     try:
@@ -131,8 +130,8 @@ def main() -> int:
                     rows.append([label, r["ms_per_layer"], r["gb_s"], r["gb_s"] / stream])
                     print(rows[-1], flush=True)
     finally:
-        if lib is not None:
-            lib.paged_attention_use_amx(loaded)
+        if lib is not None:  # back to the setting load_kernel_library made
+            lib.paged_attention_use_amx(int(cpu_amx.allowed()))
     print(
         f"\n{args.dtype}, {layout.heads} heads over {layout.kv_heads} KV heads x {layout.head_dim}, block "
         f"{BLOCK}, {args.threads} threads; streaming read {stream:.1f} GB/s; {load_line(info)}"
