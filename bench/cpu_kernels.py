@@ -18,6 +18,9 @@ Rows (shapes of a decode step of the "medium" bench model: hidden 768, 12 heads 
 * element-wise: the fused C ops (cpu/ops.py) vs the torch code they replace; the KV-cache write
   (cpu_ops.write_kv vs index_copy_) and the sampler's greedy pick (cpu_ops.argmax_rows on the logits \
 as they are vs argmax).
+* sampler: the Sampler's C kernel (cpu/sampling.py: one uniform draw a row, radix-selected top-k /
+  top-p cuts) vs its torch path (exponential race, sorts), per sampling setting, bfloat16 logits of
+  [64, 32000], [8, 32000] and [64, 152064].  `--groups sampler` runs these rows alone.
 * memory: torch.sum over 1 GiB, the streaming-read rate the attention rows' GB/s compare to.
 """
 
@@ -240,13 +243,49 @@ def elementwise_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
     return rows
 
 
+SAMPLINGS = {
+    "temperature 1": dict(temperature=1.0),
+    "t 0.8, top-p 0.95": dict(temperature=0.8, top_p=0.95),
+    "t 0.8, top-k 50": dict(temperature=0.8, top_k=50),
+    "t 0.7, top-k 50, top-p 0.9": dict(temperature=0.7, top_k=50, top_p=0.9),
+    "t 1, min-p 0.05": dict(temperature=1.0, min_p=0.05),
+}
+
+
+def sampler_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
+    """The Sampler on a decode step's logits: the C kernel (cpu/sampling.py) vs the torch path, per
+    sampling setting, at batch 64 and 8 over a 32000-token vocabulary (the bench models') and batch 64
+    over 152064 tokens (Qwen2's)."""
+    from asyncengine.cpu import sampling as cpu_sampling
+    from asyncengine.layers.sampler import Sampler, SamplingRow
+    from asyncengine.transport.wire import SamplingOptions
+
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for batch, vocab in ((64, 32000), (8, 32000), (64, 152064)):
+        logits = (torch.randn(batch, vocab, generator=g) * 2).to(dtype)
+        for name, kw in SAMPLINGS.items():
+            srows = [SamplingRow(SamplingOptions(**kw), None, [], {}, 0) for _ in range(batch)]
+            fast = timeit(lambda i, x=logits, r=srows: sampler(x, r), max(3, repeat // 3))
+            saved, cpu_sampling._enabled = cpu_sampling._enabled, False
+            try:
+                plain = timeit(lambda i, x=logits, r=srows: sampler(x, r), max(3, repeat // 10))
+            finally:
+                cpu_sampling._enabled = saved
+            rows.append(
+                [f"sampler {str(dtype)[6:]}", f"[{batch}, {vocab}] {name}", fast * 1e3, None, plain / fast]
+            )
+    return rows
+
+
 def memory_rows(repeat: int) -> list[list[Any]]:
     """What the attention kernel's GB/s compares to: torch.sum streaming 1 GiB (no cache reuse)."""
     t = stream_read_seconds(max(3, repeat // 6))
     return [["memory", "DRAM read: torch.sum over 1 GiB", t * 1e3, STREAM_BYTES / t / 1e9, None]]
 
 
-GROUPS = ("attention", "linear", "element-wise", "gemm pass", "memory")
+GROUPS = ("attention", "linear", "element-wise", "sampler", "gemm pass", "memory")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [
         (d, kind) for d in (torch.float32, torch.bfloat16) for kind in ("attention", "linear", "element-wise")
     ]
-    jobs += [(torch.bfloat16, "gemm pass"), (torch.float32, "memory")]
+    jobs += [(torch.bfloat16, "sampler"), (torch.bfloat16, "gemm pass"), (torch.float32, "memory")]
     jobs = [(d, kind) for d, kind in jobs if kind in args.groups]
     for dtype, kind in tqdm(jobs, desc="cpu kernels", unit="group"):
         with torch.inference_mode():
@@ -286,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows += gemm_pass_rows(args.repeat)
             elif kind == "memory":
                 rows += memory_rows(args.repeat)
+            elif kind == "sampler":
+                rows += sampler_rows(dtype, args.repeat)
             else:
                 rows += elementwise_rows(dtype, args.repeat)
     print(f"\n{args.threads} threads; {load_line(info)}")

@@ -115,6 +115,15 @@ def cells(n: int, seed: int, quick: bool) -> list[tuple[str, Workload]]:
     return out
 
 
+def sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The SamplingParams fields every request of every cell gets, the same in both engines: greedy by
+    default; --temperature (and --top-p, --top-k) sample, unseeded, as vLLM's own throughput benchmark
+    does (temperature 1.0)."""
+    if not args.temperature:
+        return {"temperature": 0.0}
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+
+
 # -- engines ----------------------------------------------------------------------------------------
 # Each engine is a session: loaded once per dtype, then asked for cells one at a time (cold prefix cache
 # each), so that run_dtype can alternate the engines cell by cell.
@@ -137,7 +146,7 @@ def asyncengine_session(model: Path, dtype: str, args: argparse.Namespace) -> It
     )
 
     def run(name: str, wl: Workload) -> dict[str, Any]:
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, **sampling(args)) for n in wl.output_lens]
         assert llm.reset_prefix_cache()  # cold, as vLLM's run of the cell
         t0 = time.perf_counter()
         outs = llm.generate(wl.prompts, params)
@@ -160,6 +169,7 @@ def vllm_session(model: Path, dtype: str, args: argparse.Namespace) -> Iterator[
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": MAX_MODEL_LEN,
         "enable_prefix_caching": True,
+        "sampling": sampling(args),
     }
     env = vllm_env(args.threads, True, args.kv_gib)
     with VllmSession(spec, env, OUT / "sweep_vllm.log") as vllm:
@@ -229,8 +239,13 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(list(x) == list(y) for x, y in zip(a, b)) / max(len(a), 1)
 
 
-def report(results: dict[str, dict[str, dict[str, Any]]], workloads: dict[str, Workload], dtype: str) -> str:
-    """results[engine][cell] -> {"seconds", "token_ids"}; one dtype's tables."""
+def report(
+    results: dict[str, dict[str, dict[str, Any]]],
+    workloads: dict[str, Workload],
+    dtype: str,
+    sampled: bool = False,
+) -> str:
+    """results[engine][cell] -> {"seconds", "token_ids"}; one dtype's tables (sampled: no agreement)."""
     ae, vl, hf = results.get("asyncengine", {}), results.get("vllm", {}), results.get("hf", {})
     rows_names = sorted(
         {c.split("/")[0] for c in workloads}, key=lambda r: [int(x) for x in r[1:].split("-")]
@@ -276,7 +291,7 @@ def report(results: dict[str, dict[str, dict[str, Any]]], workloads: dict[str, W
                 (a["seconds"] - pre_a["seconds"]) if a and pre_a and same_prompts else None,
                 (v["seconds"] - pre_v["seconds"]) if v and pre_v and same_prompts else None,
                 f"{100 * agreement(a['token_ids'], ref['token_ids']):.0f}% vs {ref_name}"
-                if a and ref
+                if a and ref and not sampled
                 else None,
             ]
         )
@@ -355,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="one engine's cells after the other's, each engine loaded alone (default: alternate per cell)",
     )
+    p.add_argument("--temperature", type=float, default=0.0, help="sample (default: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature (0: off)")
     p.add_argument("--quick", action="store_true", help="2 x 2 cells, 16 requests")
     p.add_argument(
         "--rows", nargs="+", default=None, help="only these prompt ranges (e.g. p16-256), each engine's first"
@@ -395,10 +413,13 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtypes:
         run_dtype(model, dtype, engines, todo, args, saver(dtype))
     info1 = machine_info()
-    print(f"\nmodel {args.model}, {args.num_requests} requests per cell, {args.threads} threads per engine")
+    print(
+        f"\nmodel {args.model}, {args.num_requests} requests per cell, {args.threads} threads per engine, "
+        f"sampling {sampling(args)}"
+    )
     print(f"start: {load_line(info0)}\nend:   {load_line(info1)}\n")
     for dtype in args.dtypes:
-        print(report(results[dtype], workloads, dtype) + "\n")
+        print(report(results[dtype], workloads, dtype, sampled=bool(args.temperature)) + "\n")
     png = heat_map(args.out.with_suffix(".png"), results, workloads, args.dtypes)
     print(f"wrote {args.out}" + (f" and {png}" if png else ""))
     return 0

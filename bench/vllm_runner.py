@@ -81,9 +81,10 @@ def main() -> int:
 
     def run(prompt_ids: list[list[int]], output_lens: list[int]) -> dict:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
+        # greedy unless the spec names a sampling (bench/sweep.py --temperature / --top-p / --top-k)
+        sampling = {"temperature": 0.0, **spec.get("sampling", {})}
         params = [
-            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
-            for n in output_lens
+            SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, **sampling) for n in output_lens
         ]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -1,7 +1,8 @@
 """Sampler: penalties, greedy / temperature / top-k / top-p / min-p sampling, and logprobs.
 
 Logprobs are those of the raw model distribution (log-softmax of the logits before any penalty or
-temperature), as vLLM and OpenAI report them.
+temperature), as vLLM and OpenAI report them. On CPU the sampling itself is cpu/sampling.py's kernel
+(one uniform draw a row, inverse CDF, radix-selected cuts); elsewhere torch's exponential race.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from asyncengine.cpu import ops as cpu_ops
+from asyncengine.cpu import sampling as cpu_sampling
 from asyncengine.transport.wire import SamplingOptions, TokenLogprobs
 
 
@@ -34,20 +36,22 @@ class Sampler:
         # NOTE: unseeded rows share this generator, so their draws depend on the batch; seeded rows don't.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        if device.type == "cpu":  # built (once per machine) at start-up, not in the first sampled step
+            cpu_sampling.load_sampling_library()
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         # [N, V] in the model's dtype. Plain greedy rows need only the argmax, which is the same in
         # any dtype (widening is exact); everything else works on a float32 copy.
-        if all(
-            r.options.temperature == 0.0 and r.options.logprobs is None and not _penalized(r) for r in rows
-        ):
-            return SamplerOutput(argmax_rows(logits).tolist(), None)
-        logits = logits.float()  # [N, V]
         wants_logprobs = any(r.options.logprobs is not None for r in rows)
-        logprobs_out = self._logprobs(logits, rows) if wants_logprobs else None
-        logits = self._apply_penalties(logits, rows)
+        penalized = any(_penalized(r) for r in rows)
         greedy = [r.options.temperature == 0.0 for r in rows]
+        if all(greedy) and not wants_logprobs and not penalized:
+            return SamplerOutput(argmax_rows(logits).tolist(), None)
+        if wants_logprobs or penalized:  # (the CPU sampling kernel reads bfloat16 logits as they are)
+            logits = logits.float()  # [N, V]
+        logprobs_out = self._logprobs(logits.float(), rows) if wants_logprobs else None
+        logits = self._apply_penalties(logits, rows) if penalized else logits
         if all(greedy):
             token_ids = argmax_rows(logits).tolist()
         else:
@@ -87,6 +91,18 @@ class Sampler:
     # -- sampling --------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> list[int]:
         device = logits.device
+        if device.type == "cpu":
+            fast = cpu_sampling.sample_rows(
+                logits,
+                [r.options.temperature for r in rows],  # 0: greedy, as below
+                [r.options.top_k for r in rows],
+                [r.options.top_p for r in rows],
+                [r.options.min_p for r in rows],
+                self._uniforms(rows),
+            )
+            if fast is not None:
+                return fast.tolist()
+        logits = logits.float()  # [N, V]
         temps = torch.tensor([r.options.temperature or 1.0 for r in rows], device=device)
         logits = logits / temps[:, None]
         top_k = [r.options.top_k for r in rows]
@@ -113,6 +129,18 @@ class Sampler:
         greedy_ids = argmax_rows(logits)
         mask = torch.tensor(greedy, device=device)
         return torch.where(mask, greedy_ids, sampled).tolist()
+
+    def _uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
+        """One uniform draw in [0, 1) a row ([N] float64, CPU), from the row's own generator where it has
+        one, so that a seeded request samples the same tokens in any batch."""
+        u = torch.empty(len(rows), dtype=torch.float64)
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if shared:
+            u[shared] = torch.rand(len(shared), dtype=torch.float64, generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                u[i] = torch.rand(1, dtype=torch.float64, generator=r.generator)[0]
+        return u
 
     # -- logprobs --------------------------------------------------------------------------------
     @staticmethod

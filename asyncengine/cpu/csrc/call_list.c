@@ -17,15 +17,16 @@ typedef struct {
     void *fn;
     int64_t ints[MAX_INTS];
     float floats[MAX_FLOATS];
-    int32_t check;  /* 0: no result (void); 4: an int to compare; 8: a long */
+    int32_t check; /* 0: no result (void); 4: an int to compare; 8: a long */
     int32_t pad;
     int64_t expect; /* the result recorded at capture */
-    int64_t got;    /* written where a result differs */
+    int64_t got; /* written where a result differs */
 } Call;
 
 typedef int64_t (*generic_fn)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                              int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float, float, float);
+                              int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float, float,
+                              float);
 
 int call_list_layout(void) { return (int)sizeof(Call); }
 
@@ -36,9 +37,9 @@ long run_call_list(Call *calls, long n) {
         Call *c = calls + i;
         const int64_t *a = c->ints;
         const float *f = c->floats;
-        const int64_t r = ((generic_fn)c->fn)(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10],
-                                              a[11], a[12], a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20],
-                                              a[21], a[22], a[23], f[0], f[1], f[2], f[3]);
+        const int64_t r = ((generic_fn)c->fn)(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9],
+                                              a[10], a[11], a[12], a[13], a[14], a[15], a[16], a[17], a[18],
+                                              a[19], a[20], a[21], a[22], a[23], f[0], f[1], f[2], f[3]);
         if ((c->check == 4 && (int32_t)r != (int32_t)c->expect) || (c->check == 8 && r != c->expect)) {
             c->got = c->check == 4 ? (int32_t)r : r;
             return i + 1;
