@@ -9,11 +9,72 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from asyncengine.cpu import ops as cpu_ops
 from asyncengine.cpu import sampling as cpu_sampling
 from asyncengine.transport.wire import SamplingOptions, TokenLogprobs
+
+
+class _IdList:
+    """A growing int64 array (amortised appends), read as a view."""
+
+    def __init__(self, ids: np.ndarray) -> None:
+        self.buf, self.n = np.array(ids, dtype=np.int64), len(ids)
+
+    def append(self, token: int) -> None:
+        if self.n == len(self.buf):
+            self.buf = np.concatenate([self.buf, np.empty(max(16, self.n), dtype=np.int64)])
+        self.buf[self.n] = token
+        self.n += 1
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self.buf[: self.n]
+
+
+class PenaltyState:
+    """One sequence's tokens as the sampler's penalties read them, kept up to date as tokens are
+    appended or rolled back: its distinct ids (prompt and output: the repetition penalty's) and its
+    distinct output ids with their counts (frequency / presence), so that a step's penalties are one
+    gather and one scatter over every penalised row's ids. Built from the lists at every step instead (a
+    set of a row's ids, then torch ops per row) they took ~8.5 ms a step at batch 64 with 100-1000-token
+    histories; dense [N, V] masks, ~11 ms (torch.where over [64, 32000]). Token ids outside [0, vocab)
+    are left out, as the logits have no column for them."""
+
+    def __init__(self, token_ids: list[int], num_prompt_tokens: int, vocab: int) -> None:
+        self.vocab = vocab
+        prompt = np.asarray(token_ids[:num_prompt_tokens], dtype=np.int64)
+        self.in_prompt = np.zeros(vocab, dtype=bool)  # [V]
+        self.in_prompt[prompt[(prompt >= 0) & (prompt < vocab)]] = True
+        self.counts = np.zeros(vocab, dtype=np.float32)  # [V] occurrences in the output
+        self.seen = self.in_prompt.copy()  # [V] in the prompt or the output
+        self.seen_ids = _IdList(np.flatnonzero(self.seen))
+        self.output_ids = _IdList(np.empty(0, dtype=np.int64))  # where counts > 0
+        for t in token_ids[num_prompt_tokens:]:
+            self.add(t)
+
+    def add(self, token: int) -> None:
+        if not 0 <= token < self.vocab:
+            return
+        if not self.counts[token]:
+            self.output_ids.append(token)
+        self.counts[token] += 1
+        if not self.seen[token]:
+            self.seen[token] = True
+            self.seen_ids.append(token)
+
+    def remove(self, token: int) -> None:
+        """Undoes add (rejected drafts: rare, so the id lists are rebuilt)."""
+        if not 0 <= token < self.vocab:
+            return
+        self.counts[token] -= 1
+        if not self.counts[token]:
+            self.output_ids = _IdList(np.flatnonzero(self.counts))
+            if not self.in_prompt[token]:
+                self.seen[token] = False
+                self.seen_ids = _IdList(np.flatnonzero(self.seen))
 
 
 class SamplingRow(NamedTuple):
@@ -24,6 +85,8 @@ class SamplingRow(NamedTuple):
     prompt_and_output_ids: list[int]  # for repetition penalty
     output_counts: dict[int, int]  # for presence / frequency penalties and min_tokens
     num_output_tokens: int
+    # the same as dense arrays (the worker keeps one for sequences with penalties); None: built per step
+    penalties: PenaltyState | None = None
 
 
 class SamplerOutput(NamedTuple):
@@ -64,11 +127,40 @@ class Sampler:
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         vocab = logits.shape[-1]
+        # rows with a PenaltyState: the repetition and the count penalties over all of their ids at once
+        dense = [r.penalties is not None and r.penalties.vocab == vocab for r in rows]
+
+        def pairs(idx: list[int], field: str) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+            """(row, id) of every id in those rows' `field` id lists, and which of idx each came from."""
+            lists = [getattr(rows[i].penalties, field).ids for i in idx]
+            which = np.repeat(np.arange(len(idx)), [len(x) for x in lists])
+            where = torch.from_numpy(np.asarray(idx, dtype=np.int64)[which]).to(logits.device)
+            return where, torch.from_numpy(np.concatenate(lists)).to(logits.device), which
+
+        def per_pair(idx: list[int], which: np.ndarray, option: str) -> torch.Tensor:  # an option, per pair
+            values = np.asarray([getattr(rows[i].options, option) for i in idx], dtype=np.float32)
+            return torch.from_numpy(values[which]).to(logits.device)
+
+        rep = [i for i, r in enumerate(rows) if dense[i] and r.options.repetition_penalty != 1.0]
+        if rep:
+            r_idx, ids, which = pairs(rep, "seen_ids")
+            picked, pen = logits[r_idx, ids], per_pair(rep, which, "repetition_penalty")
+            logits[r_idx, ids] = torch.where(picked > 0, picked / pen, picked * pen)
+        cnt = [i for i, r in enumerate(rows) if dense[i] and _counts_penalized(r)]
+        if cnt:
+            r_idx, ids, which = pairs(cnt, "output_ids")
+            counts = torch.from_numpy(
+                np.concatenate([rows[i].penalties.counts[rows[i].penalties.output_ids.ids] for i in cnt])
+            )
+            freq, pres = per_pair(cnt, which, "frequency_penalty"), per_pair(cnt, which, "presence_penalty")
+            logits[r_idx, ids] -= freq * counts.to(logits.device) + pres
         for i, row in enumerate(rows):
             opt = row.options
             if _bans_stop_tokens(row):
                 banned = [t for t in opt.min_tokens_banned_ids if t < vocab]
                 logits[i, banned] = float("-inf")
+            if dense[i]:
+                continue
             if opt.repetition_penalty != 1.0:
                 ids = torch.tensor(
                     sorted(set(row.prompt_and_output_ids)), dtype=torch.long, device=logits.device
@@ -171,6 +263,11 @@ class Sampler:
                 [ranks[m], *range(1, k + 1)],
             )
         return out
+
+
+def has_penalties(opt: SamplingOptions) -> bool:
+    """A repetition, frequency or presence penalty: the options a PenaltyState serves."""
+    return opt.repetition_penalty != 1.0 or bool(opt.frequency_penalty) or bool(opt.presence_penalty)
 
 
 def _bans_stop_tokens(row: SamplingRow) -> bool:

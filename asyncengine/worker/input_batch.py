@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncengine.layers.sampler import PenaltyState, has_penalties
 from asyncengine.transport.wire import CachedSeq, ExecuteModelRequest, NewSeq, SamplingOptions, unpack_ids
 
 
@@ -19,6 +20,7 @@ class SeqState:
     sampling: SamplingOptions
     generator: torch.Generator | None = None  # per-sequence, so seeded sampling ignores batch composition
     output_counts: dict[int, int] = field(default_factory=dict)  # for presence / frequency penalties
+    penalties: PenaltyState | None = None  # the same as dense arrays, for sequences with penalties
 
     @property
     def num_output_tokens(self) -> int:
@@ -28,6 +30,8 @@ class SeqState:
         for t in token_ids:
             self.token_ids.append(t)
             self.output_counts[t] = self.output_counts.get(t, 0) + 1
+            if self.penalties is not None:
+                self.penalties.add(t)
 
     def rollback(self, num: int) -> None:
         """Forgets its last `num` tokens, computed drafts the model rejected (their K/V slots are
@@ -36,6 +40,8 @@ class SeqState:
             self.output_counts[t] -= 1
             if not self.output_counts[t]:
                 del self.output_counts[t]
+            if self.penalties is not None:
+                self.penalties.remove(t)
         del self.token_ids[-num:]
         self.num_computed_tokens -= num
 
@@ -57,9 +63,10 @@ class StepBatch:
 class InputBatch:
     """seq_id -> SeqState, updated from each ExecuteModelRequest."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, vocab_size: int = 0) -> None:
         self.seqs: dict[int, SeqState] = {}
         self.device = device
+        self.vocab_size = vocab_size  # the logits' width, for PenaltyState (0: unknown, none kept)
 
     def update(self, req: ExecuteModelRequest) -> StepBatch:
         for seq_id in req.finished_seq_ids:
@@ -91,6 +98,8 @@ class InputBatch:
         )
         for t in token_ids[new.num_prompt_tokens :]:
             state.output_counts[t] = state.output_counts.get(t, 0) + 1
+        if self.vocab_size and has_penalties(new.sampling):
+            state.penalties = PenaltyState(token_ids, new.num_prompt_tokens, self.vocab_size)
         if new.sampling.seed is not None:
             state.generator = torch.Generator(device=self.device)
             state.generator.manual_seed(new.sampling.seed)

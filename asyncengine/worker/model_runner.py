@@ -233,6 +233,7 @@ class ModelRunner:
                     state.token_ids,
                     state.output_counts,
                     state.num_output_tokens,
+                    state.penalties,
                 )
                 for i in range(offset - 1 - drafts, offset):
                     logits_indices.append(i)

@@ -81,9 +81,9 @@ class Worker:
         self.model_runner = ModelRunner(
             config, self.parallel, self.device, self.dtype, self.max_model_len, progress=rank == 0
         )
-        self.input_batch = InputBatch(self.device)
-        self.link = StageLink(self.topology.prev_stage_rank, self.topology.next_stage_rank, self.device)
         self.vocab_size = int(getattr(hf_config, "vocab_size", 0))
+        self.input_batch = InputBatch(self.device, self.vocab_size)
+        self.link = StageLink(self.topology.prev_stage_rank, self.topology.next_stage_rank, self.device)
         # async scheduling: the engine schedules a sequence's next step before it has seen this step's
         # token, so every rank of the (single) stage samples, identically, and appends it itself
         self.appends_samples = config.run_ahead

@@ -219,6 +219,32 @@ def test_worker_state_drops_rejected_drafts() -> None:
         batch.update(ExecuteModelRequest(4, cached_seqs=[CachedSeq(7, 2, [1, 2], [], 0, 2)]))
 
 
+def test_worker_penalty_state_drops_rejected_drafts() -> None:
+    """A sequence with penalties keeps dense per-token arrays (layers/sampler.PenaltyState) that follow
+    its drafts and rollbacks; one without keeps none."""
+    batch = InputBatch(torch.device("cpu"), vocab_size=16)
+    opts = SamplingOptions(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.5)
+    new = [
+        NewSeq(7, pack_ids([1, 2, 3]), 3, [0], 0, 3, opts),
+        NewSeq(8, pack_ids([1]), 1, [1], 0, 1, SamplingOptions()),
+    ]
+    batch.mark_computed(batch.update(ExecuteModelRequest(0, new_seqs=new)))
+    assert batch.seqs[8].penalties is None
+    state = batch.seqs[7]
+    batch.mark_computed(
+        batch.update(ExecuteModelRequest(1, cached_seqs=[CachedSeq(7, 3, [9, 9, 4], [], 0, 2)]))
+    )
+    batch.update(
+        ExecuteModelRequest(2, cached_seqs=[CachedSeq(7, 1, [5], [], 1, 0)])
+    )  # 4 rejected, 5 sampled
+    assert state.token_ids == [1, 2, 3, 9, 9, 5]
+    assert sorted(state.penalties.seen.nonzero()[0].tolist()) == [1, 2, 3, 5, 9]
+    assert {t: float(state.penalties.counts[t]) for t in state.penalties.counts.nonzero()[0]} == {
+        9: 2.0,
+        5: 1.0,
+    }
+
+
 def test_text_and_stop_strings_with_drafts(tiny_model_factory, llm_factory) -> None:
     """With a tokenizer: the text of a speculating request is the text without speculation, and a stop
     string completed by a token inside the accepted drafts cuts the text (and the tokens) there."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine.layers.sampler import Sampler, SamplingRow
+from asyncengine.layers.sampler import PenaltyState, Sampler, SamplingRow
 from asyncengine.transport.wire import SamplingOptions
 
 
@@ -51,3 +51,55 @@ def test_more_logprobs_than_the_vocabulary_holds() -> None:
     out = sampler(torch.randn(1, 8), [row])
     lp = out.logprobs[0]
     assert len(lp.token_ids) == 1 + 8 and lp.ranks[1:] == list(range(1, 9))
+
+
+def _penalised_rows(g: torch.Generator, vocab: int, dense: bool) -> list[SamplingRow]:
+    rows = []
+    for i in range(6):
+        n_prompt, n_out = (
+            int(torch.randint(1, 40, (1,), generator=g)),
+            int(torch.randint(0, 30, (1,), generator=g)),
+        )
+        ids = torch.randint(0, vocab + 3, (n_prompt + n_out,), generator=g).tolist()  # some past the logits
+        counts: dict[int, int] = {}
+        for t in ids[n_prompt:]:
+            counts[t] = counts.get(t, 0) + 1
+        opts = SamplingOptions(
+            temperature=0.0,
+            repetition_penalty=[1.0, 1.3, 0.7][i % 3],
+            frequency_penalty=[0.0, 0.5, -0.25][(i // 3) % 3],
+            presence_penalty=[0.4, 0.0][i % 2],
+        )
+        state = PenaltyState(ids, n_prompt, vocab) if dense else None
+        rows.append(SamplingRow(opts, None, ids, counts, n_out, state))
+    return rows
+
+
+def test_dense_penalties_equal_the_per_row_ones() -> None:
+    # the batched path over PenaltyState arrays changes the logits exactly as the per-row path does
+    vocab = 50
+    for seed in range(5):
+        logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+        per_row = Sampler._apply_penalties(
+            logits.clone(), _penalised_rows(torch.Generator().manual_seed(seed), vocab, False)
+        )
+        dense = Sampler._apply_penalties(
+            logits.clone(), _penalised_rows(torch.Generator().manual_seed(seed), vocab, True)
+        )
+        assert torch.equal(per_row, dense)
+        assert not torch.equal(per_row, logits)
+
+
+def test_penalty_state_follows_appends_and_rollbacks() -> None:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 20, (30,), generator=g).tolist()
+    state = PenaltyState(ids[:10], 10, 20)
+    for t in ids[10:]:
+        state.add(t)
+    for t in ids[:-8:-1]:  # the last 7 rejected (speculative decoding)
+        state.remove(t)
+    fresh = PenaltyState(ids[:-7], 10, 20)
+    assert (state.seen == fresh.seen).all() and (state.counts == fresh.counts).all()
+    assert sorted(state.seen_ids.ids.tolist()) == sorted(fresh.seen_ids.ids.tolist()) == sorted(set(ids[:-7]))
+    assert sorted(state.output_ids.ids.tolist()) == sorted(set(ids[10:-7]))
+    assert state.seen.sum() == len(set(ids[:-7]))
