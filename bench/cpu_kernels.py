@@ -20,7 +20,8 @@ Rows (shapes of a decode step of the "medium" bench model: hidden 768, 12 heads 
 as they are vs argmax).
 * sampler: the Sampler's C kernel (cpu/sampling.py: one uniform draw a row, radix-selected top-k /
   top-p cuts) vs its torch path (exponential race, sorts), per sampling setting, bfloat16 logits of
-  [64, 32000], [8, 32000] and [64, 152064].  `--groups sampler` runs these rows alone.
+  [64, 32000], [8, 32000] and [64, 152064]; and the penalties over 100-1000-token histories, the
+  worker's per-sequence PenaltyState vs the token lists row by row.  `--groups sampler` runs these alone.
 * memory: torch.sum over 1 GiB, the streaming-read rate the attention rows' GB/s compare to.
 """
 
@@ -252,12 +253,18 @@ SAMPLINGS = {
 }
 
 
+PENALTIES = {
+    "repetition 1.1, greedy": dict(repetition_penalty=1.1),
+    "frequency + presence 0.5, greedy": dict(frequency_penalty=0.5, presence_penalty=0.5),
+}
+
+
 def sampler_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
     """The Sampler on a decode step's logits: the C kernel (cpu/sampling.py) vs the torch path, per
     sampling setting, at batch 64 and 8 over a 32000-token vocabulary (the bench models') and batch 64
     over 152064 tokens (Qwen2's)."""
     from asyncengine.cpu import sampling as cpu_sampling
-    from asyncengine.layers.sampler import Sampler, SamplingRow
+    from asyncengine.layers.sampler import PenaltyState, Sampler, SamplingRow
     from asyncengine.transport.wire import SamplingOptions
 
     sampler = Sampler(seed=0, device=torch.device("cpu"))
@@ -273,9 +280,26 @@ def sampler_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
                 plain = timeit(lambda i, x=logits, r=srows: sampler(x, r), max(3, repeat // 10))
             finally:
                 cpu_sampling._enabled = saved
-            rows.append(
-                [f"sampler {str(dtype)[6:]}", f"[{batch}, {vocab}] {name}", fast * 1e3, None, plain / fast]
-            )
+            variant = f"[{batch}, {vocab}] {name}"
+            rows.append([f"sampler {str(dtype)[6:]}", variant, fast * 1e3, None, plain / fast])
+    # penalties over 100-1000-token histories (greedy): the worker's PenaltyState vs the lists per row
+    logits = (torch.randn(64, 32000, generator=g) * 2).to(dtype)
+    rng = random.Random(0)
+    hists = [[rng.randrange(32000) for _ in range(rng.randint(100, 1000))] for _ in range(64)]
+    for name, kw in PENALTIES.items():
+        opts = SamplingOptions(temperature=0.0, **kw)
+        times = []
+        for dense in (True, False):
+            srows = []
+            for h in hists:
+                counts: dict[int, int] = {}
+                for t in h[len(h) // 2 :]:
+                    counts[t] = counts.get(t, 0) + 1
+                state = PenaltyState(h, len(h) // 2, 32000) if dense else None
+                srows.append(SamplingRow(opts, None, h, counts, len(h) // 2, state))
+            times.append(timeit(lambda i, r=srows: sampler(logits, r), max(3, repeat // 3)))
+        variant = f"[64, 32000] {name}"
+        rows.append([f"sampler {str(dtype)[6:]}", variant, times[0] * 1e3, None, times[1] / times[0]])
     return rows
 
 
