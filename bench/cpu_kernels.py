@@ -20,8 +20,9 @@ Rows (shapes of a decode step of the "medium" bench model: hidden 768, 12 heads 
 as they are vs argmax).
 * sampler: the Sampler's C kernel (cpu/sampling.py: one uniform draw a row, radix-selected top-k /
   top-p cuts) vs its torch path (exponential race, sorts), per sampling setting, bfloat16 logits of
-  [64, 32000], [8, 32000] and [64, 152064]; and the penalties over 100-1000-token histories, the
-  worker's per-sequence PenaltyState vs the token lists row by row.  `--groups sampler` runs these alone.
+  [64, 32000] (random and trained-model-like), [8, 32000] and [64, 152064]; and the penalties over
+  100-1000-token histories, the worker's per-sequence PenaltyState vs the token lists row by row.
+  `--groups sampler` runs these alone.
 * memory: torch.sum over 1 GiB, the streaming-read rate the attention rows' GB/s compare to.
 """
 
@@ -262,7 +263,8 @@ PENALTIES = {
 def sampler_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
     """The Sampler on a decode step's logits: the C kernel (cpu/sampling.py) vs the torch path, per
     sampling setting, at batch 64 and 8 over a 32000-token vocabulary (the bench models') and batch 64
-    over 152064 tokens (Qwen2's)."""
+    over 152064 tokens (Qwen2's); "flat" logits are a random model's (N(0, 2)), "peaked" a trained
+    model's (a few tokens far above the rest: top-k / top-p cut among those alone)."""
     from asyncengine.cpu import sampling as cpu_sampling
     from asyncengine.layers.sampler import PenaltyState, Sampler, SamplingRow
     from asyncengine.transport.wire import SamplingOptions
@@ -270,8 +272,18 @@ def sampler_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
     sampler = Sampler(seed=0, device=torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     rows = []
-    for batch, vocab in ((64, 32000), (8, 32000), (64, 152064)):
-        logits = (torch.randn(batch, vocab, generator=g) * 2).to(dtype)
+    for batch, vocab, shape in (
+        (64, 32000, "flat"),
+        (64, 32000, "peaked"),
+        (8, 32000, "flat"),
+        (64, 152064, "peaked"),
+    ):
+        logits = torch.randn(batch, vocab, generator=g) * 2
+        if shape == "peaked":  # a trained model's: 1-40 tokens 14-20 above the rest
+            for row in logits:
+                top = torch.randint(0, vocab, (int(torch.randint(1, 41, (1,), generator=g)),), generator=g)
+                row[top] += 14 + 6 * torch.rand(len(top), generator=g)
+        logits = logits.to(dtype)
         for name, kw in SAMPLINGS.items():
             srows = [SamplingRow(SamplingOptions(**kw), None, [], {}, 0) for _ in range(batch)]
             fast = timeit(lambda i, x=logits, r=srows: sampler(x, r), max(3, repeat // 3))
@@ -280,7 +292,7 @@ def sampler_rows(dtype: torch.dtype, repeat: int) -> list[list[Any]]:
                 plain = timeit(lambda i, x=logits, r=srows: sampler(x, r), max(3, repeat // 10))
             finally:
                 cpu_sampling._enabled = saved
-            variant = f"[{batch}, {vocab}] {name}"
+            variant = f"[{batch}, {vocab}] {shape}, {name}"
             rows.append([f"sampler {str(dtype)[6:]}", variant, fast * 1e3, None, plain / fast])
     # penalties over 100-1000-token histories (greedy): the worker's PenaltyState vs the lists per row
     logits = (torch.randn(64, 32000, generator=g) * 2).to(dtype)

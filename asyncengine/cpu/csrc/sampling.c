@@ -52,11 +52,12 @@ typedef struct {
     int count[COPIES][2048];
 } Histogram;
 
-static Cut find_cut(const uint32_t *key, const float *e, int vocab, double target, int *cand, Histogram *h) {
+static Cut find_cut(const uint32_t *key, const float *e, const int *list, int n, double target, int *cand,
+                    Histogram *h) {
     static const int shift[3] = {21, 10, 0}, bits[3] = {11, 11, 10};
     double (*mass)[2048] = h->mass;
     int (*count)[2048] = h->count;
-    int n = vocab; /* candidates: all tokens, then one bucket's */
+    /* candidates: the tokens in list (all n first tokens where list is NULL), then one bucket's */
     uint32_t prefix = 0;
     double before = 0.0; /* the weight of every token ahead of the current bucket */
     for (int level = 0; level < 3; level++) {
@@ -66,14 +67,15 @@ static Cut find_cut(const uint32_t *key, const float *e, int vocab, double targe
             if (e) memset(mass[c], 0, sizeof(double) * (size_t)nb);
         }
         if (level == 0) {
-            int j = 0;
-            for (; j + COPIES <= n; j += COPIES)
+            int i = 0;
+            for (; i + COPIES <= n; i += COPIES)
                 for (int c = 0; c < COPIES; c++) {
-                    const int b = (int)(key[j + c] >> sh);
+                    const int j = list ? list[i + c] : i + c, b = (int)(key[j] >> sh);
                     count[c][b]++;
-                    if (e) mass[c][b] += e[j + c];
+                    if (e) mass[c][b] += e[j];
                 }
-            for (; j < n; j++) {
+            for (; i < n; i++) {
+                const int j = list ? list[i] : i;
                 count[0][key[j] >> sh]++;
                 if (e) mass[0][key[j] >> sh] += e[j];
             }
@@ -107,8 +109,10 @@ static Cut find_cut(const uint32_t *key, const float *e, int vocab, double targe
         prefix |= (uint32_t)pick << sh;
         int m = 0; /* the picked bucket's tokens, in index order */
         if (level == 0) {
-            for (int j = 0; j < n; j++)
+            for (int i = 0; i < n; i++) {
+                const int j = list ? list[i] : i;
                 if ((int)(key[j] >> sh) == pick) cand[m++] = j;
+            }
         } else {
             for (int i = 0; i < n; i++)
                 if ((int)(key[cand[i]] >> sh & (uint32_t)(nb - 1)) == pick) cand[m++] = cand[i];
@@ -212,6 +216,63 @@ static double exp_blocks(const float *x, int vocab, float mx, float *e, double *
 }
 #endif
 
+/* The cuts of top-k and top-p fall among the tokens near the row's maximum unless those are fewer than k
+ * (top-k) or hold less than top-p of the mass; with a trained model's logits a few dozen tokens of the
+ * vocabulary are within a few nats of the maximum, so the radix selection runs over them alone. The
+ * head is the narrowest of GAPS (x >= max - gap) that holds what the cuts need (need_count tokens, and
+ * need_mass of e, summed as the caller's total is, up to rounding); head: its ids, in order; thr: its
+ * lowest x. Returns its size, or 0 where no gap holds enough (the cuts then run over the whole row). */
+#define NGAPS 6
+static const float GAPS[NGAPS] = {4.f, 8.f, 12.f, 16.f, 24.f, 32.f}; /* e >= 1.3e-14 at the widest */
+static int head_tokens(const float *x, const float *e, int vocab, float mx, int need_count, double need_mass,
+                       int *head, float *thr) {
+    int count[NGAPS] = {0};
+    double mass[NGAPS] = {0};
+#ifdef HAVE_AVX512
+    __m512 acc[NGAPS];
+    for (int g = 0; g < NGAPS; g++) acc[g] = _mm512_setzero_ps();
+    for (int j = 0; j < vocab; j += 16) {
+        const __mmask16 mk = mask_upto(vocab - j);
+        const __m512 xv = _mm512_maskz_loadu_ps(mk, x + j), ev = _mm512_maskz_loadu_ps(mk, e + j);
+        for (int g = 0; g < NGAPS; g++) {
+            const __mmask16 in = _mm512_mask_cmp_ps_mask(mk, xv, _mm512_set1_ps(mx - GAPS[g]), _CMP_GE_OQ);
+            count[g] += __builtin_popcount(in);
+            acc[g] = _mm512_mask_add_ps(acc[g], in, acc[g], ev);
+        }
+    }
+    for (int g = 0; g < NGAPS; g++) mass[g] = (double)_mm512_reduce_add_ps(acc[g]);
+#else
+    float acc[NGAPS] = {0};
+    for (int j = 0; j < vocab; j++)
+        for (int g = 0; g < NGAPS; g++)
+            if (x[j] >= mx - GAPS[g]) {
+                count[g]++;
+                acc[g] += e[j];
+            }
+    for (int g = 0; g < NGAPS; g++) mass[g] = (double)acc[g];
+#endif
+    int g = 0;
+    while (g < NGAPS && (count[g] < need_count || mass[g] < need_mass)) g++;
+    if (g == NGAPS || count[g] > vocab / 2) return 0; /* (half the row or more: no saving) */
+    *thr = mx - GAPS[g];
+    int n = 0;
+#ifdef HAVE_AVX512
+    __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int j = 0; j < vocab; j += 16) {
+        const __mmask16 mk = mask_upto(vocab - j);
+        const __mmask16 in =
+            _mm512_mask_cmp_ps_mask(mk, _mm512_maskz_loadu_ps(mk, x + j), _mm512_set1_ps(*thr), _CMP_GE_OQ);
+        _mm512_mask_compressstoreu_epi32(head + n, in, at);
+        n += __builtin_popcount(in);
+        at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+    }
+#else
+    for (int j = 0; j < vocab; j++)
+        if (x[j] >= *thr) head[n++] = j;
+#endif
+    return n;
+}
+
 /* The block sums again after e was zeroed outside the kept tokens (in 16 lanes: a float sum in order is
  * a chain of dependent adds, 4 cycles a token). */
 static double block_sums(const float *e, int vocab, double *bsum) {
@@ -234,26 +295,45 @@ static double block_sums(const float *e, int vocab, double *bsum) {
 }
 
 /* One row (scaled logits already in x, its maximum mx): filters, then the inverse-CDF draw. */
-static int sample_scaled(float *x, float *e, uint32_t *key, double *bsum, int *cand, Histogram *h, int vocab,
-                         float mx, int top_k, float top_p, float min_p, double u) {
+static int sample_scaled(float *x, float *e, uint32_t *key, double *bsum, int *cand, int *head, Histogram *h,
+                         int vocab, float mx, int top_k, float top_p, float min_p, double u) {
     double total = exp_blocks(x, vocab, mx, e, bsum);
     const int cut_k = top_k > 0 && top_k < vocab, cut_p = top_p < 1.f, cut_m = min_p > 0.f;
     if (cut_k || cut_p) {
-        order_keys(x, vocab, key);
+        /* the head must hold the top-k tokens, and top-p of the mass (with a margin for rounding) where
+         * top-p runs over the whole row; top-p after top-k stays inside the top-k tokens */
+        float thr = 0.f;
+        const int nh = head_tokens(x, e, vocab, mx, cut_k ? top_k : 0,
+                                   !cut_k && cut_p ? ((double)top_p + 1e-5) * total : 0.0, head, &thr);
+        const int in_head = nh > 0;
+        const int *list = in_head ? head : NULL, n = in_head ? nh : vocab;
+        if (in_head) /* keys for the head alone: the cuts and the zeroing below read no others */
+            for (int i = 0; i < nh; i++) order_keys(x + head[i], 1, key + head[i]);
+        else
+            order_keys(x, vocab, key);
         Cut cut = {0, vocab}; /* everything */
-        if (cut_k) cut = find_cut(key, NULL, vocab, (double)top_k, cand, h);
+        if (cut_k) cut = find_cut(key, NULL, list, n, (double)top_k, cand, h);
         if (cut_p) {
             double mass = total; /* the top-k tokens' mass: top-p renormalises over them */
             if (cut_k) {
                 mass = 0.0;
-                for (int j = 0; j < vocab; j++)
+                for (int i = 0; i < n; i++) {
+                    const int j = list ? list[i] : i;
                     if (kept(cut, key[j], j)) mass += e[j];
+                }
             }
-            const Cut c = find_cut(key, e, vocab, (double)top_p * mass, cand, h);
+            const Cut c = find_cut(key, e, list, n, (double)top_p * mass, cand, h);
             if (!cut_k || c.key > cut.key || (c.key == cut.key && c.index < cut.index)) cut = c;
         }
-        for (int j = 0; j < vocab; j++)
-            if (!kept(cut, key[j], j)) e[j] = 0.f;
+        if (in_head) { /* every token outside the head is past the cut */
+            for (int j = 0; j < vocab; j++)
+                if (!(x[j] >= thr)) e[j] = 0.f;
+            for (int i = 0; i < nh; i++)
+                if (!kept(cut, key[head[i]], head[i])) e[head[i]] = 0.f;
+        } else {
+            for (int j = 0; j < vocab; j++)
+                if (!kept(cut, key[j], j)) e[j] = 0.f;
+        }
     }
     if (cut_m)
         for (int j = 0; j < vocab; j++)
@@ -290,7 +370,7 @@ int sample_rows_##SUF(const T *logits, long stride, int rows, int vocab, const f
     _Pragma("omp parallel num_threads(num_threads) if (rows >= PAR_MIN_ROWS)")                           \
     {                                                                                                    \
         float *x = (float *)malloc(sizeof(float) * 3 * (size_t)vocab); /* x, e, keys */                  \
-        int *cand = (int *)malloc(sizeof(int) * (size_t)vocab);                                          \
+        int *cand = (int *)malloc(sizeof(int) * 2 * (size_t)vocab); /* cand, head */                     \
         double *bsum = (double *)malloc(sizeof(double) * (size_t)nblk);                                  \
         Histogram *h = (Histogram *)malloc(sizeof(Histogram));                                           \
         if (!x || !cand || !bsum || !h) {                                                                \
@@ -311,8 +391,8 @@ int sample_rows_##SUF(const T *logits, long stride, int rows, int vocab, const f
             /* a NaN, no finite logit or an infinite one: no distribution to draw from */                \
             out[r] = nan || isinf(mx) ? argmax_row(x, vocab)                                             \
                                       : sample_scaled(x, x + vocab, (uint32_t *)(x + 2 * (size_t)vocab), \
-                                                      bsum, cand, h, vocab, mx, top_k[r], top_p[r],      \
-                                                      min_p[r], u[r]);                                   \
+                                                      bsum, cand, cand + vocab, h, vocab, mx, top_k[r],  \
+                                                      top_p[r], min_p[r], u[r]);                         \
         }                                                                                                \
         free(x);                                                                                         \
         free(cand);                                                                                      \

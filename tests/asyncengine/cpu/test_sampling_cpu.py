@@ -3,6 +3,8 @@ Sampler's CPU path against its torch path in distribution."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -83,6 +85,47 @@ def test_kernel_equals_the_reference(portable: bool, dtype: torch.dtype) -> None
                     assert int(out[i]) == reference(*args), (vocab, i, args[1:])
                     checked += 1
     assert checked > 300
+
+
+@pytest.mark.parametrize("portable", BUILDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_peaked_rows_cut_among_the_head_tokens(portable: bool, dtype: torch.dtype) -> None:
+    # a trained model's logits: a few tokens far above the rest, where the cuts run over those alone
+    # (csrc/sampling.c's head_tokens); top-k past the head and top-p past its mass take the full path
+    g = torch.Generator().manual_seed(4)
+    rows, vocab = 16, 3000
+    logits = torch.randn(rows, vocab, generator=g) * 2.5
+    for i in range(rows):
+        top = torch.randint(0, vocab, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g)
+        logits[i, top] += 14 + torch.rand(len(top), generator=g) * 6
+    logits = logits.to(dtype)
+    for k, p in [(5, 1.0), (0, 0.9), (20, 0.5), (200, 1.0), (0, 0.999999), (3, 0.999)]:
+        u = torch.rand(rows, dtype=torch.float64, generator=g)
+        out = cs.sample_rows(logits, [1.0] * rows, [k] * rows, [p] * rows, [0.0] * rows, u, portable=portable)
+        for i in range(rows):
+            args = (logits[i], 1.0, k, p, 0.0, float(u[i]))
+            if _far_from_edges(*args):
+                assert int(out[i]) == reference(*args), (k, p, i)
+
+
+@pytest.mark.parametrize("portable", BUILDS)
+def test_a_heavy_tail_is_not_cut_off(portable: bool) -> None:
+    # one token 12.5 above 49,999 tied ones: the head (the one token) holds 84% of the mass, so top-p 0.9
+    # must reach into the tail (the first ~18,200 tail ids by the tie rule): the top token's share
+    # falls from 1 to ~0.937; top-p 0.8 keeps the top token alone
+    vocab = 50000
+    logits = torch.zeros(1, vocab)
+    logits[0, 777] = 12.5
+    n = 2000
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    rows = logits.expand(n, -1).contiguous()
+    tail = math.exp(-12.5)
+    for p in (0.9, 0.8):
+        out = cs.sample_rows(rows, [1.0] * n, [0] * n, [p] * n, [0.0] * n, u, portable=portable)
+        kept_tail = math.ceil((p * (1 + (vocab - 1) * tail) - 1) / tail) if p == 0.9 else 0
+        share = 1 / (1 + kept_tail * tail)
+        assert abs(float((out == 777).double().mean()) - share) < 2 / n, (p, share)
+        assert int(out.max()) <= max(kept_tail, 777)  # the tie rule: the lowest tail ids
 
 
 @pytest.mark.parametrize("portable", BUILDS)
