@@ -40,6 +40,19 @@ def load_sampling_library(portable: bool = False) -> ctypes.CDLL | None:
     return lib
 
 
+def applies(logits: torch.Tensor) -> bool:
+    """Whether sample_rows takes these logits (so that callers draw its uniforms only then)."""
+    return (
+        _enabled
+        and logits.device.type == "cpu"
+        and logits.dtype in _SUFFIX
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and 0 < logits.shape[1] < 2**31
+        and load_sampling_library() is not None
+    )
+
+
 def sample_rows(
     logits: torch.Tensor,  # [N, V] float32 or bfloat16, unit stride along V
     temperature: list[float],  # 0: greedy (the row's first maximum)
@@ -50,11 +63,7 @@ def sample_rows(
     portable: bool = False,  # the plain-C build (tests)
 ) -> torch.Tensor | None:
     """[N] int64 token ids, or None where the kernel does not apply."""
-    if not _enabled or logits.device.type != "cpu" or logits.dtype not in _SUFFIX:
-        return None
-    if logits.dim() != 2 or logits.stride(1) != 1 or not 0 < logits.shape[1] < 2**31:
-        return None
-    lib = load_sampling_library(portable)
+    lib = load_sampling_library(portable) if applies(logits) else None
     if lib is None:
         return None
     n = logits.shape[0]

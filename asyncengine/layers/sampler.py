@@ -85,7 +85,8 @@ class SamplingRow(NamedTuple):
     prompt_and_output_ids: list[int]  # for repetition penalty
     output_counts: dict[int, int]  # for presence / frequency penalties and min_tokens
     num_output_tokens: int
-    # the same as dense arrays (the worker keeps one for sequences with penalties); None: built per step
+    # the two above as the worker keeps them up to date for sequences with penalties; None: the sampler
+    # reads the lists (per row, slower)
     penalties: PenaltyState | None = None
 
 
@@ -182,7 +183,7 @@ class Sampler:
     # -- sampling --------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> list[int]:
         device = logits.device
-        if device.type == "cpu":
+        if cpu_sampling.applies(logits):
             fast = cpu_sampling.sample_rows(
                 logits,
                 [r.options.temperature for r in rows],  # 0: greedy, as below
@@ -242,8 +243,8 @@ class Sampler:
         token_ids: list[int],
     ) -> list[TokenLogprobs | None]:
         """Per row: the sampled token's logprob and rank, then the row's top `logprobs` tokens. Batched
-        (one gather, one comparison, one topk for the largest k): per row, the five small torch ops
-        each took ~11 ms a step at batch 64."""
+        (one gather, one comparison, one topk for the largest k): five small torch ops a row took ~11
+        ms a step at batch 64."""
         vocab = lp.shape[-1]
         sampled = torch.tensor([token_ids[i] for i in lp_rows], dtype=torch.long, device=lp.device)
         sampled_lp = lp.gather(1, sampled[:, None])  # [M, 1]

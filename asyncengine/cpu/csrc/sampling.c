@@ -7,7 +7,8 @@
  *   1. x = logits / temperature and its maximum; e = exp(x - max)          (vector passes)
  *   2. top-k / top-p: where the order "x descending, then index ascending" must be cut, found by radix
  *      selection on x's bits with counts (top-k) or masses (top-p) per bucket: three levels of 11, 11
- *      and 10 bits, each over the previous level's bucket only, then the equal keys by index;
+ *      and 10 bits, each over the previous level's bucket only, then the equal keys by index; over the
+ *      row's head (head_tokens) where the cut is sure to fall in it;
  *   3. e set to 0 outside the cut and below min_p (e of the top token is 1: min_p's threshold is min_p);
  *   4. one uniform u a row (drawn by the caller from the row's generator): the token where the running
  *      sum of e, in index order, first exceeds u * sum(e): inverse-CDF sampling, exact for any order.
@@ -42,16 +43,17 @@ typedef struct {
 
 static inline int kept(Cut c, uint32_t key, int j) { return key > c.key || (key == c.key && j <= c.index); }
 
-#define COPIES 4 /* the first level's histogram, split by j % COPIES: a run of tokens in one bucket (the \
-                  * usual case) would chain every add through one counter's store and reload */
-
-/* The first position in the order at which the running weight (1 a token with e == NULL, else e[j])
- * reaches target, found with three radix levels of bucket counts / masses. cand: vocab ints of scratch. */
+/* The first level's histogram is kept in COPIES copies, token i in copy i % COPIES: a run of tokens in
+ * one bucket (the usual case) would chain every add through one counter's store and reload. */
+#define COPIES 4
 typedef struct {
     double mass[COPIES][2048];
     int count[COPIES][2048];
 } Histogram;
 
+/* The first position in the order at which the running weight (1 a token with e == NULL, else e[j])
+ * reaches target, found with three radix levels of bucket counts / masses over the tokens in list (the
+ * first n tokens where list is NULL). cand: n ints of scratch. */
 static Cut find_cut(const uint32_t *key, const float *e, const int *list, int n, double target, int *cand,
                     Histogram *h) {
     static const int shift[3] = {21, 10, 0}, bits[3] = {11, 11, 10};
