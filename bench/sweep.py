@@ -5,6 +5,7 @@
     python bench/sweep.py --dtypes bfloat16 --engines asyncengine vllm
     python bench/sweep.py --quick                           # 2 x 2 cells, 16 requests, smoke test
     python bench/sweep.py --dtypes bfloat16 --rows p16-256  # one row of the grid
+    python bench/sweep.py --dtypes bfloat16 --rows p16-256 --temperature 0.8 --top-p 0.95   # sampled
 
 Grid: prompt lengths {16-256, 16-1024, 512-2048} x output lengths {8-64, 16-128, 16-256, 128-512},
 log-uniform, 64 requests per cell; plus, per prompt range, a shared-prefix cell (80% of prompts start
@@ -12,7 +13,8 @@ with one common prefix of half the range's top, outputs 16-128) and a prefill-on
 token) of the same prompts. Prompts depend only on (prompt range, seed), outputs only on (output range,
 seed), so every cell of a row but the shared one has the same prompts, and decode time is estimated as
 the cell's time minus its row's prefill-only time. Greedy, EOS ignored: every engine makes the same
-number of tokens.
+number of tokens. --temperature (with --top-p, --top-k) samples instead, unseeded, as vLLM's own
+throughput benchmark does (temperature 1.0): the same SamplingParams in both engines.
 
 Model: "medium4k", a seeded random ~110M-matmul-parameter Llama (bench/common.py: hidden 768, 12
 layers, 12 heads of 64 with a KV head each, vocab 32000, 4096 positions); --model gqa4k (hidden 1024,
