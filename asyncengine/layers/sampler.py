@@ -17,64 +17,79 @@ from asyncengine.cpu import sampling as cpu_sampling
 from asyncengine.transport.wire import SamplingOptions, TokenLogprobs
 
 
-class _IdList:
-    """A growing int64 array (amortised appends), read as a view."""
+class _Column:
+    """A growing numpy array (amortised appends), read as a view."""
 
-    def __init__(self, ids: np.ndarray) -> None:
-        self.buf, self.n = np.array(ids, dtype=np.int64), len(ids)
+    def __init__(self, dtype: type) -> None:
+        self.buf, self.n = np.empty(16, dtype=dtype), 0
 
-    def append(self, token: int) -> None:
+    def append(self, value: float) -> None:
         if self.n == len(self.buf):
-            self.buf = np.concatenate([self.buf, np.empty(max(16, self.n), dtype=np.int64)])
-        self.buf[self.n] = token
+            self.buf = np.concatenate([self.buf, np.empty_like(self.buf)])
+        self.buf[self.n] = value
         self.n += 1
 
     @property
-    def ids(self) -> np.ndarray:
+    def values(self) -> np.ndarray:
         return self.buf[: self.n]
 
 
 class PenaltyState:
     """One sequence's tokens as the sampler's penalties read them, kept up to date as tokens are
     appended or rolled back: its distinct ids (prompt and output: the repetition penalty's) and its
-    distinct output ids with their counts (frequency / presence), so that a step's penalties are one
-    gather and one scatter over every penalised row's ids. Built from the lists at every step instead (a
-    set of a row's ids, then torch ops per row) they took ~8.5 ms a step at batch 64 with 100-1000-token
-    histories; dense [N, V] masks, ~11 ms (torch.where over [64, 32000]). Token ids outside [0, vocab)
-    are left out, as the logits have no column for them."""
+    distinct output ids with their counts (frequency / presence), as arrays, so that a step's penalties
+    are one gather and one scatter over every penalised row's ids. Built from the lists at every step
+    instead (a set of a row's ids, then torch ops per row) they took ~8.5 ms a step at batch 64 with
+    100-1000-token histories; dense [N, V] masks ~11 ms (torch.where over [64, 32000]). Memory follows
+    the distinct tokens, not the vocabulary. Ids outside [0, vocab) are left out: the logits have no
+    column for them."""
 
     def __init__(self, token_ids: list[int], num_prompt_tokens: int, vocab: int) -> None:
         self.vocab = vocab
-        prompt = np.asarray(token_ids[:num_prompt_tokens], dtype=np.int64)
-        self.in_prompt = np.zeros(vocab, dtype=bool)  # [V]
-        self.in_prompt[prompt[(prompt >= 0) & (prompt < vocab)]] = True
-        self.counts = np.zeros(vocab, dtype=np.float32)  # [V] occurrences in the output
-        self.seen = self.in_prompt.copy()  # [V] in the prompt or the output
-        self.seen_ids = _IdList(np.flatnonzero(self.seen))
-        self.output_ids = _IdList(np.empty(0, dtype=np.int64))  # where counts > 0
+        self.in_prompt = {t for t in token_ids[:num_prompt_tokens] if 0 <= t < vocab}
+        self.seen_ids = _Column(np.int64)  # distinct ids of the prompt and the output
+        for t in sorted(self.in_prompt):
+            self.seen_ids.append(t)
+        self.seen = set(self.in_prompt)
+        self.output_ids = _Column(np.int64)  # distinct output ids ...
+        self.counts = _Column(np.float32)  # ... and how often each occurs
+        self.slot: dict[int, int] = {}  # output id -> its place in output_ids / counts
         for t in token_ids[num_prompt_tokens:]:
             self.add(t)
 
     def add(self, token: int) -> None:
         if not 0 <= token < self.vocab:
             return
-        if not self.counts[token]:
+        slot = self.slot.get(token)
+        if slot is None:
+            self.slot[token] = self.output_ids.n
             self.output_ids.append(token)
-        self.counts[token] += 1
-        if not self.seen[token]:
-            self.seen[token] = True
+            self.counts.append(1.0)
+        else:
+            self.counts.buf[slot] += 1.0
+        if token not in self.seen:
+            self.seen.add(token)
             self.seen_ids.append(token)
 
     def remove(self, token: int) -> None:
-        """Undoes add (rejected drafts: rare, so the id lists are rebuilt)."""
+        """Undoes add (rejected drafts: rare, so a token that leaves rebuilds the arrays)."""
         if not 0 <= token < self.vocab:
             return
-        self.counts[token] -= 1
-        if not self.counts[token]:
-            self.output_ids = _IdList(np.flatnonzero(self.counts))
-            if not self.in_prompt[token]:
-                self.seen[token] = False
-                self.seen_ids = _IdList(np.flatnonzero(self.seen))
+        slot = self.slot[token]
+        self.counts.buf[slot] -= 1.0
+        if self.counts.buf[slot] > 0:
+            return
+        kept = [(t, c) for t, c in zip(self.output_ids.values.tolist(), self.counts.values.tolist()) if c > 0]
+        self.output_ids, self.counts, self.slot = _Column(np.int64), _Column(np.float32), {}
+        for t, c in kept:
+            self.slot[t] = self.output_ids.n
+            self.output_ids.append(t)
+            self.counts.append(c)
+        if token not in self.in_prompt:
+            self.seen.discard(token)
+            self.seen_ids = _Column(np.int64)
+            for t in self.seen:
+                self.seen_ids.append(t)
 
 
 class SamplingRow(NamedTuple):
@@ -133,7 +148,7 @@ class Sampler:
 
         def pairs(idx: list[int], field: str) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
             """(row, id) of every id in those rows' `field` id lists, and which of idx each came from."""
-            lists = [getattr(rows[i].penalties, field).ids for i in idx]
+            lists = [getattr(rows[i].penalties, field).values for i in idx]
             which = np.repeat(np.arange(len(idx)), [len(x) for x in lists])
             where = torch.from_numpy(np.asarray(idx, dtype=np.int64)[which]).to(logits.device)
             return where, torch.from_numpy(np.concatenate(lists)).to(logits.device), which
@@ -150,9 +165,7 @@ class Sampler:
         cnt = [i for i, r in enumerate(rows) if dense[i] and _counts_penalized(r)]
         if cnt:
             r_idx, ids, which = pairs(cnt, "output_ids")
-            counts = torch.from_numpy(
-                np.concatenate([rows[i].penalties.counts[rows[i].penalties.output_ids.ids] for i in cnt])
-            )
+            counts = torch.from_numpy(np.concatenate([rows[i].penalties.counts.values for i in cnt]))
             freq, pres = per_pair(cnt, which, "frequency_penalty"), per_pair(cnt, which, "presence_penalty")
             logits[r_idx, ids] -= freq * counts.to(logits.device) + pres
         for i, row in enumerate(rows):

@@ -20,7 +20,7 @@ class SeqState:
     sampling: SamplingOptions
     generator: torch.Generator | None = None  # per-sequence, so seeded sampling ignores batch composition
     output_counts: dict[int, int] = field(default_factory=dict)  # for presence / frequency penalties
-    penalties: PenaltyState | None = None  # the same as dense arrays, for sequences with penalties
+    penalties: PenaltyState | None = None  # the same as arrays for the sampler, where it has penalties
 
     @property
     def num_output_tokens(self) -> int:

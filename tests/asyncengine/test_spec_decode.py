@@ -238,11 +238,9 @@ def test_worker_penalty_state_drops_rejected_drafts() -> None:
         ExecuteModelRequest(2, cached_seqs=[CachedSeq(7, 1, [5], [], 1, 0)])
     )  # 4 rejected, 5 sampled
     assert state.token_ids == [1, 2, 3, 9, 9, 5]
-    assert sorted(state.penalties.seen.nonzero()[0].tolist()) == [1, 2, 3, 5, 9]
-    assert {t: float(state.penalties.counts[t]) for t in state.penalties.counts.nonzero()[0]} == {
-        9: 2.0,
-        5: 1.0,
-    }
+    assert sorted(state.penalties.seen_ids.values.tolist()) == [1, 2, 3, 5, 9]
+    pen = state.penalties
+    assert dict(zip(pen.output_ids.values.tolist(), pen.counts.values.tolist())) == {9: 2.0, 5: 1.0}
 
 
 def test_text_and_stop_strings_with_drafts(tiny_model_factory, llm_factory) -> None:

@@ -90,16 +90,21 @@ def test_dense_penalties_equal_the_per_row_ones() -> None:
         assert not torch.equal(per_row, logits)
 
 
+def _penalty_view(state: PenaltyState) -> tuple[list[int], dict[int, float]]:
+    counts = dict(zip(state.output_ids.values.tolist(), state.counts.values.tolist()))
+    return sorted(state.seen_ids.values.tolist()), counts
+
+
 def test_penalty_state_follows_appends_and_rollbacks() -> None:
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 20, (30,), generator=g).tolist()
+    ids = torch.randint(0, 20, (30,), generator=g).tolist() + [25, -1]  # the last two outside the vocab
     state = PenaltyState(ids[:10], 10, 20)
     for t in ids[10:]:
         state.add(t)
-    for t in ids[:-8:-1]:  # the last 7 rejected (speculative decoding)
+    for t in ids[:-10:-1]:  # the last 9 rejected (speculative decoding)
         state.remove(t)
-    fresh = PenaltyState(ids[:-7], 10, 20)
-    assert (state.seen == fresh.seen).all() and (state.counts == fresh.counts).all()
-    assert sorted(state.seen_ids.ids.tolist()) == sorted(fresh.seen_ids.ids.tolist()) == sorted(set(ids[:-7]))
-    assert sorted(state.output_ids.ids.tolist()) == sorted(set(ids[10:-7]))
-    assert state.seen.sum() == len(set(ids[:-7]))
+    kept = ids[:-9]
+    seen, counts = _penalty_view(state)
+    assert (seen, counts) == _penalty_view(PenaltyState(kept, 10, 20))
+    assert seen == sorted(set(kept))
+    assert counts == {t: float(kept[10:].count(t)) for t in set(kept[10:])}
