@@ -28,7 +28,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include "amx_common.h" /* request_tiles, configure_tiles, TILE */
-#include "cpu_common.h" /* exp2_512: the softmax's exponentials */
+#include "cpu_common.h" /* exp2h_512: the softmax's exponentials */
 #include "prompt_attention.h" /* Call, the K transpose, the work plan */
 #include <omp.h>
 
@@ -96,6 +96,7 @@ static inline float row_max(const float *sr, int b0, int b1, int lo, int pos, in
 static inline float row_exp(const float *sr, uint16_t *pr, int b0, int b1, int lo, int pos, __m512 c2v,
                             __m512 m, int full) {
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    const __m512 mh = _mm512_sub_ps(m, _mm512_set1_ps(0.5f)); /* exp2h_512 takes 2^(y - 1/2) */
     for (int j = b0; j < b1; j += 32) { /* 32 keys: one 64-byte row of P */
         const __mmask16 k0 = full ? 0xFFFF : valid_keys(j, lo, pos),
                         k1 = full ? 0xFFFF : valid_keys(j + 16, lo, pos);
@@ -103,8 +104,8 @@ static inline float row_exp(const float *sr, uint16_t *pr, int b0, int b1, int l
             _mm512_storeu_si512(pr + j - b0, _mm512_setzero_si512());
             continue;
         }
-        __m512 e0 = exp2_512(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j - b0), c2v, m));
-        __m512 e1 = exp2_512(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j + 16 - b0), c2v, m));
+        __m512 e0 = exp2h_512(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j - b0), c2v, mh));
+        __m512 e1 = exp2h_512(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j + 16 - b0), c2v, mh));
         if (!full) {
             e0 = _mm512_maskz_mov_ps(k0, e0);
             e1 = _mm512_maskz_mov_ps(k1, e1);
@@ -273,8 +274,8 @@ static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u
             const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(_mm512_loadu_ps(bm + r), c2v));
             const __mmask16 mv = _mm512_cmp_ps_mask(m_old, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ)
                                  & _mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_OQ);
-            _mm512_storeu_ps(alpha + r, _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), mv,
-                                                           exp2_512(_mm512_sub_ps(m_old, m_new))));
+            const __m512 a = exp2h_512(_mm512_add_ps(_mm512_sub_ps(m_old, m_new), _mm512_set1_ps(0.5f)));
+            _mm512_storeu_ps(alpha + r, _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), mv, a));
             _mm512_storeu_ps(m + r, m_new);
             moved |= mv != 0;
         }

@@ -76,20 +76,24 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n); /* p * 2^n */
 }
 
-/* 2^x, 16 lanes, for x <= ~0 (a softmax's exponents, already in base 2 and shifted by the row maximum):
- * a degree-5 polynomial on [-1/2, 1/2] fitted for relative error (2.4e-7 at most, a few ulp), 8
- * instructions against exp512's 15 (no clamping, no change of base); 0 below -149. */
-static inline __m512 exp2_512(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.327647129073739e-3f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.675541892647743e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550713092088699e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402212023735046e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931469440460205e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.000000119209290f));
-    return _mm512_scalef_ps(p, n);
+/* 2^(y - 1/2), 16 lanes, for a softmax's exponents (already in base 2; the caller folds the 1/2 into the
+ * maximum it subtracts): r = y - floor(y) in one vreduceps, a degree-5 polynomial for 2^(r - 1/2) on
+ * [0, 1) fitted for relative error (1.7e-7 at most in float32), and vscalefps multiplies by 2^floor(y).
+ * The shift keeps the polynomial's argument centred as round-to-nearest would (the same accuracy as a
+ * fit of 2^r on [-1/2, 1/2]) while the integer part is vscalefps's own floor: 7 instructions. 0 below
+ * ~-149, inf above 128; NaN for an infinite y (callers mask such lanes). */
+#if defined(__AVX512DQ__) /* vreduceps */
+static inline __m512 exp2h_512(__m512 y) {
+    const __m512 r = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_set1_ps(1.3276454993e-03f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.3564223237e-03f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(3.9475172758e-02f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6981424391e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.9013322592e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(7.0710670948e-01f));
+    return _mm512_scalef_ps(p, y);
 }
+#endif
 #endif
 
 #endif
