@@ -146,11 +146,14 @@ class ModelRunner:
             and not self.config.enforce_eager
             and kernel_graphs_apply()
         ):
+            kv_bytes = sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
             self.graph_runner = KernelGraphRunner(
                 self._decode_forward,
                 max_num_seqs=self.config.max_num_seqs,
                 max_blocks_per_seq=max_blocks,
                 pad_slot_id=num_blocks * self.block_size,
+                # the graphs' activations, up to a quarter of the cache's memory (at least 256 MiB)
+                max_graph_bytes=max(kv_bytes // 4, 256 << 20),
             )
         elif self.parallel.is_first_stage and self.device.type == "cuda":
             self.graph_runner = GraphRunner(

@@ -137,14 +137,23 @@ def test_graphs_are_kept_for_the_most_recent_sizes(tiny_model_factory: Any) -> N
     runner, graphs = make_runner(tiny_model_factory("llama"), 40, 64, 64)
     step = 16 if cpu_amx.available() else 8  # AMX: whole 16-row tiles; else rows cost time
     assert graphs.capture_sizes == kernel_graph_sizes(40, step)
-    graphs.max_graphs = 2
     seqs = [SeqState(i, [3 + i, 4, 5], 3, [i], 0, SamplingOptions(temperature=0.0)) for i in range(40)]
     with torch.inference_mode():
-        for n in (1, 17, 33, 20):  # sizes 1, 32 | 24, 40 (evicts 1), 32 | 24 again
+        out = graphs.run(decode_inputs(runner, seqs[:40], 0))
+        one = graphs.kernel_graphs[40].nbytes
+        assert one > 0 and graphs.graph_bytes == one
+        graphs.max_graph_bytes = one * 3 // 2  # room for the 40-row graph and a small one, not two large
+        for n in (1, 17, 33, 20):  # sizes 1, 32 | 24, 40, 32 | 24 again
             out = graphs.run(decode_inputs(runner, seqs[:n], 0))
             assert out.shape[0] == n  # padding rows sliced off
-    if cpu_amx.available():
-        assert list(graphs.kernel_graphs) == [40, 32] and graphs.num_captures == 3
+            assert graphs.graph_bytes <= graphs.max_graph_bytes
+    if cpu_amx.available():  # a graph's memory grows with its rows: 1 + 32 fit, 40 + 32 do not
+        # 1: [40, 1]; 17: [1, 32] (40 out); 33: [40] (recaptured, 1 and 32 out); 20: [32]
+        assert list(graphs.kernel_graphs) == [32] and graphs.num_captures == 5
+    graphs.max_graph_bytes = 0  # the newest graph stays whatever the budget
+    with torch.inference_mode():
+        graphs.run(decode_inputs(runner, seqs[:2], 0))
+    assert list(graphs.kernel_graphs) == [2]
 
 
 def test_capture_does_not_import_dynamo() -> None:
