@@ -190,8 +190,7 @@ class KernelGraph:
         with _recording_kernels(graph), _Recorder(graph):
             graph.output = forward()
         graph._gather_call_lists()
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in graph.keepalive}
-        graph.nbytes = sum(storages.values())
+        graph.nbytes = sum(dict(_memory(t) for t in graph.keepalive).values())
         return graph
 
     def replay(self) -> Any:
@@ -238,6 +237,15 @@ class KernelGraph:
         self.num_torch_ops += 1
         if self.num_torch_ops > MAX_TORCH_OPS:
             raise GraphUnsupported(f"more than {MAX_TORCH_OPS} torch ops in the forward (last: {func})")
+
+
+def _memory(t: torch.Tensor) -> tuple[int, int]:
+    """(key, bytes) of the memory under `t`: its storage's, shared by its views; an opaque tensor (oneDNN's
+    blocked layouts) has no storage to ask, and counts its elements."""
+    if t.layout == torch.strided and not t.is_mkldnn:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    return id(t), t.numel() * t.element_size()
 
 
 class _Recorder(TorchDispatchMode):
