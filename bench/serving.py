@@ -14,7 +14,10 @@ Requests: seeded token-id prompts (log-uniform 16..512 tokens), output lengths u
 greedy, EOS ignored; arrivals are a seeded Poisson process (the same schedule for every server), "inf"
 sends all at once. Every (rate, protocol) run draws token ids of its own (same lengths): a rerun of the
 same prompts would hit the prefix cache (until 2026-12-05 it did, flattering every run after the first).
-Eight warm-up requests through each protocol precede the first rate.
+Eight warm-up requests through each protocol precede the first rate. Both servers get a --kv-gib cache,
+and the timed runs start once asyncengine's worker has populated its cache's pages (common.wait_kv_prefault),
+as vLLM zero-fills its cache before it serves: steady state on both. (A server's first ~15-40 s after
+start are slower than that on this VM while the pages are populated: bench/RESULTS.md, 2026-12-06.)
 
 Clients: WebSocket = one connection to ws://.../v1/ws multiplexing every request (JSON frames, token ids
 counted from each delta); HTTP = one streamed POST /v1/completions per request (SSE, include_usage).
@@ -61,6 +64,7 @@ from common import (  # noqa: E402
     vllm_env,
     wait_for_line,
     wait_http_ok,
+    wait_kv_prefault,
     write_json,
 )
 
@@ -232,6 +236,8 @@ def server_command(
                 "warning",
                 "--max-model-len",
                 "1024",
+                "--kv-cache-memory-bytes",  # the cache vLLM gets (VLLM_CPU_KVCACHE_SPACE)
+                str(int(args.kv_gib * 2**30)),
                 *spec,
             ],
             None,
@@ -279,6 +285,8 @@ async def measure(
         await (
             run_ws(ws_url, warm, [0.0] * 8, 300) if proto == "ws" else run_http(base, warm, [0.0] * 8, 300)
         )
+    if kind.startswith("asyncengine"):  # its cache populated, as vLLM's is (zero-filled) before it serves
+        await asyncio.to_thread(wait_kv_prefault, int(args.kv_gib * 2**30))
     rows = []
     vocab = vocab_size(resolve_model(args.model))
     for k, rate in enumerate(args.rates):
@@ -325,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--kv-gib", type=float, default=2.0, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--kv-gib", type=float, default=2.0, help="each server's KV cache (vLLM's KVCACHE_SPACE)")
     p.add_argument(
         "--servers",
         nargs="+",
