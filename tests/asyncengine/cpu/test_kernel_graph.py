@@ -131,6 +131,16 @@ def test_torch_ops_are_recomputed_views_are_not() -> None:
     assert torch.equal(graph.replay(), ((torch.arange(6.0) + 1).view(2, 3) * 2).double())
 
 
+def test_a_graph_counts_the_memory_it_keeps_alive() -> None:
+    x = torch.zeros(64, 32)
+    graph = KernelGraph.capture(lambda: (x + 1)[:, :16] * 2)
+    # x (kept as a recorded op's argument), x + 1 and its view (one storage), the product
+    assert graph.nbytes == 2 * 64 * 32 * 4 + 64 * 16 * 4
+    # an opaque oneDNN tensor has no storage to ask: its elements count
+    graph = KernelGraph.capture(lambda: (x + 3).to_mkldnn())
+    assert graph.nbytes >= 2 * 64 * 32 * 4
+
+
 def test_graphs_are_kept_for_the_most_recent_sizes(tiny_model_factory: Any) -> None:
     assert kernel_graph_sizes(40) == [1, 2, 4, 8, 16, 32, 40] and kernel_graph_sizes(8) == [1, 2, 4, 8]
     assert kernel_graph_sizes(40, 8) == [1, 2, 4, 8, 16, 24, 32, 40]
