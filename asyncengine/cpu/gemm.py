@@ -92,13 +92,17 @@ def prepack(weight: torch.Tensor) -> PackedWeight | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
 
 
-def prepack_gated(weight: torch.Tensor) -> AmxWeight | None:
-    """A merged [gate | up] weight packed for its GEMM to return silu(gate) * up (amx.pack(gated=True));
-    None where that does not apply (no AMX, not bfloat16, packing off, an intermediate size not of 16)."""
+def prepack_gated(weight: torch.Tensor) -> AmxWeight | QuantWeight | None:
+    """A merged [gate | up] weight packed for its GEMM to return silu(gate) * up: AMX tiles (amx.pack(gated=
+    True)) or, on an AVX512-BF16 CPU without AMX, the bfloat16 kernel's blocks (quant_gemm.pack_bf16(gated=
+    True)); None where neither applies (not bfloat16, packing off, an intermediate size not of 16)."""
     if not weight.numel() or not packing_on():
         return None
     with torch.no_grad():
-        return amx.pack(weight, gated=True)
+        tiles = amx.pack(weight, gated=True)
+        if tiles is not None or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            return tiles
+        return quant_gemm.pack_bf16(weight, gated=True) if quant_gemm.native_bf16() else None
 
 
 @cache

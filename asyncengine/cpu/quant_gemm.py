@@ -53,6 +53,7 @@ class QuantWeight(NamedTuple):
     group_size: int
     portable: bool = False  # built without AVX-512 (tests run both)
     int8_activations: bool = False  # bfloat16 activations quantized to int8 (4- / 8-bit codes, VNNI)
+    gated: bool = False  # a bfloat16 [gate | up] weight whose `linear` returns silu(gate) * up, [T, out / 2]
 
     def nbytes(self) -> int:
         """Resident bytes of the packed weight."""
@@ -73,6 +74,8 @@ def load_library(portable: bool = False) -> ctypes.CDLL | None:
         return None
     lib.qgemm.restype = _I
     lib.qgemm.argtypes = [_P, _L, _I, _I, _P, _P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I, _I]
+    lib.qgemm_bf16_gated.restype = _I
+    lib.qgemm_bf16_gated.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I]
     for probe in (lib.qgemm_native_bf16, lib.qgemm_native_int8):
         probe.restype = _I
         probe.argtypes = []
@@ -166,21 +169,33 @@ def pack(
     return QuantWeight(data, s, z, p, qtype, n, in_features, k_int, group_size, portable, int8_activations)
 
 
-def pack_bf16(weight: torch.Tensor, portable: bool = False) -> QuantWeight | None:
+def pack_bf16(weight: torch.Tensor, portable: bool = False, gated: bool = False) -> QuantWeight | None:
     """A [N, K] bfloat16 weight in the kernel's bfloat16 layout: per 16-row block, each pair of columns
     (2p, 2p + 1) as 16 (row) x 2 values, one 64-byte vector, the operand vdpbf16ps takes as it is. K is
-    padded to even with a zero column. None where the library cannot be built (or is turned off)."""
+    padded to even with a zero column. None where the library cannot be built (or is turned off).
+
+    gated: a merged [gate | up] weight (N a multiple of 32) whose `linear` is to return silu(gate) * up,
+    as ops.silu_and_mul would on the plain output, bit for bit: the blocks then alternate gate and up rows
+    of the same 16 outputs (csrc/quant_gemm.c, bf16_weights_gated). None where that cannot run here (no
+    AVX512-BF16, N not a multiple of 32, K odd)."""
     if load_library(portable) is None:
         return None
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
         raise TypeError(f"pack_bf16 takes a 2-D bfloat16 weight, got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
+    if gated:
+        if portable or not native_bf16() or n % (2 * BLOCK) or k % 2:
+            return None
+        inter = n // 2
+        # [gate block 0, up block 0, gate block 1, ...]: row blocks of 16 interleaved
+        weight = torch.stack([weight[:inter].view(-1, BLOCK, k), weight[inter:].view(-1, BLOCK, k)], 1)
+        weight = weight.reshape(n, k)
     w = F.pad(weight.detach(), (0, k % 2, 0, -n % BLOCK))  # [N', K_int]
     k_int = w.shape[1]
     data = w.view(torch.int16).view(-1, BLOCK, k_int // 2, 2).transpose(1, 2).contiguous()
     blocks = data.shape[0]
     scales = torch.ones(blocks, 1, BLOCK)
-    return QuantWeight(data, scales, None, None, QTYPE_BF16, n, k, k_int, k_int, portable)
+    return QuantWeight(data, scales, None, None, QTYPE_BF16, n, k, k_int, k_int, portable, gated=gated)
 
 
 # From this many rows on, bfloat16 activations with 4- / 8-bit codes go to AMX where the CPU has it
@@ -214,6 +229,8 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> t
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
     rows = x2.shape[0]
+    if weight.gated:
+        return _linear_gated(lib, x2, weight, bias).reshape(*lead, weight.out_features // 2)
     if rows >= AMX_MIN_ROWS and uses_amx(weight, x.dtype):
         out = amx.linear_quant(
             x2,
@@ -253,3 +270,26 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> t
         raise MemoryError("quantized linear could not allocate its scratch memory")
     assert rc == 0, f"qgemm returned {rc}"
     return out.reshape(*lead, weight.out_features)
+
+
+def _linear_gated(
+    lib: ctypes.CDLL, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """[T, in] bfloat16 -> [T, out / 2] = silu(gate) * up through a gated weight (pack_bf16(gated=True))."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"a gated bfloat16 weight takes bfloat16 activations, got {x.dtype}")
+    out = torch.empty(x.shape[0], weight.out_features // 2, dtype=x.dtype)
+    rc = lib.qgemm_bf16_gated(
+        x.data_ptr(),
+        x.stride(0),
+        weight.data.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        out.stride(0),
+        x.shape[0],
+        weight.out_features,
+        weight.k_int,
+        torch.get_num_threads(),
+    )
+    assert rc == 0, f"qgemm_bf16_gated returned {rc}"
+    return out

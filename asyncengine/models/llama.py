@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from asyncengine.cpu.amx import AmxWeight
+from asyncengine.cpu.quant_gemm import QuantWeight
 from asyncengine.layers.activation import ActAndMul
 from asyncengine.layers.attention import Attention
 from asyncengine.layers.embedding import VocabParallelEmbedding
@@ -105,8 +106,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, parallel, bias=opts.mlp_bias)
 
     def prepack(self) -> bool:
-        """On an AMX CPU, packs the [gate | up] weight so that its GEMM writes silu(gate) * up directly
-        (cpu_gemm.prepack_gated): one op less per layer and half the GEMM's output written."""
+        """On an AMX or AVX512-BF16 CPU, packs the [gate | up] weight so that its GEMM writes silu(gate) * up
+        directly (cpu_gemm.prepack_gated): one op less per layer and half the GEMM's output written."""
         return (
             self.act_fn.is_silu and self.gate_up_proj.packed is None and self.gate_up_proj.prepack(gated=True)
         )
@@ -115,7 +116,7 @@ class LlamaMLP(nn.Module):
     def fused_act(self) -> bool:
         """gate_up_proj's GEMM applies SiLU-and-mul itself."""
         packed = self.gate_up_proj.packed
-        return isinstance(packed, AmxWeight) and packed.gated
+        return isinstance(packed, AmxWeight | QuantWeight) and packed.gated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if self.fused_act:

@@ -29,6 +29,8 @@
  * in registers as (code - zero) * scale, the reference's float32 weight exactly, and multiplies it into
  * every row at once; larger M dequantizes a block's whole strip ([K][16] float32, L2-sized) once and
  * runs MT-row tiles over it. Output blocks are split across OpenMP threads.
+ * A [gate | up] bfloat16 weight packed gated (qgemm_bf16_gated) alternates gate and up blocks, and its
+ * tiles' epilogue writes silu(gate) * up (bf16_weights_gated).
  * Each output value is summed over k in one fixed order, whatever M is. Built by cpu/build.py. */
 #include <stdlib.h>
 
@@ -372,7 +374,7 @@ static inline __attribute__((always_inline)) void tile_bf16(int rows, int nb, co
                                                             int k_int, const uint8_t *wb, long bstride, __m512 *acc) {
     for (int i = 0; i < nb * MT; i++) acc[i] = _mm512_setzero_ps();
     for (int k = 0; k < k_int; k += 2) {
-        __m512bh w[NB_MAX];
+        __m512bh w[4]; /* nb <= 4: bf16_weights_gated's two pairs */
         const long off = (long)k * 32, ahead = ahead_of(off, bstride, nb);
         for (int j = 0; j < nb; j++) {
             const uint8_t *p = wb + j * bstride + off;
@@ -470,6 +472,90 @@ static int bf16_weights(const void *x, long x_stride, const uint8_t *w, const vo
 #undef T2
 #undef T3
             for (int j = 0; j < nb; j++) store_tile(acc + j * MT, rows, r0, (b0 + j) * 16, n, out, out_stride, 1, bias);
+        }
+    }
+    return 0;
+}
+
+/* 16 float32 lanes -> bfloat16 bits, rounded as bf16x16_of rounds: vcvtneps2bf16 in one instruction, except
+ * for a vector holding a denormal (which it would flush to zero) */
+static inline __m256i bf16x16_fast(__m512 v) {
+    if (__builtin_expect(!_mm512_fpclass_ps_mask(v, 0x20), 1)) return (__m256i)_mm512_cvtneps_pbh(v);
+    return bf16x16_of(v);
+}
+/* 16 float32 lanes -> bfloat16 -> float32: the value a bfloat16 tensor would hold */
+static inline __m512 bf16_round16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_fast(v)), 16));
+}
+
+/* `rows` rows of a gate and an up accumulator block (+ their biases) -> 16 columns of T(silu(g)) * u, with
+ * g and u the bfloat16 projections: cpu_ops.c's silu_and_mul on the rounded plain output, bit for bit. */
+__attribute__((noinline)) static void store_gated(const __m512 *acc_g, const __m512 *acc_u, int rows, int r0, int col, uint16_t *out,
+                        long out_stride, const uint16_t *bias_g, const uint16_t *bias_u) {
+    const __m512 bg = bias_g ? load16_bf16(bias_g, 0xFFFF) : _mm512_setzero_ps();
+    const __m512 bu = bias_u ? load16_bf16(bias_u, 0xFFFF) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const __m512 g = bf16_round16(_mm512_add_ps(acc_g[r], bg));
+        const __m512 u = bf16_round16(_mm512_add_ps(acc_u[r], bu));
+        const __m512 a = _mm512_div_ps(
+            g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm256_storeu_si256((__m256i *)(out + (long)(r0 + r) * out_stride + col),
+                            bf16x16_fast(_mm512_mul_ps(bf16_round16(a), u)));
+    }
+}
+
+/* A [gate | up] bfloat16 weight packed gated (cpu/quant_gemm.py pack_bf16(gated=True)): its blocks
+ * alternate gate and up (block 2i: gate rows 16i .. 16i + 15, block 2i + 1: the up rows of the same
+ * outputs), so each 2-block tile holds both halves of 16 outputs and writes out [m, n / 2] = silu(gate) *
+ * up straight from its accumulators: the GEMM's [m, n] output is never written nor read again by a
+ * separate silu_and_mul pass. Each output sums over k in the same order as the plain kernel's. */
+#define GATED_ROWS 6 /* rows of a two-pair tile: 4 blocks x 6 rows = 24 accumulators, as tile_bf16's 3 x 8 */
+static int bf16_weights_gated(const uint16_t *x, long x_stride, const uint8_t *w, const uint16_t *bias,
+                              uint16_t *out, long out_stride, int m, int n, int k_int, int num_threads) {
+    const int pairs = n / 32, inter = n / 2, tiles = (pairs + 1) / 2;
+    const long bstride = qgemm_step_bytes(k_int, QT_BF16);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && tiles > 1)
+    for (int t = 0; t < tiles; t++) {
+        __m512 acc[4 * MT]; /* block j's row r at j * MT + r */
+        const int np = pairs - 2 * t < 2 ? 1 : 2; /* pairs in this tile */
+        const uint8_t *wb = w + 4L * t * bstride;
+        if (m > 2 && m <= MT) { /* one pair at a time over all rows: 6-row tiles would cut 8 rows in two (at
+                                 * one or two rows the two-pair tile's four chains hide vdpbf16ps's latency) */
+            for (int p = 0; p < np; p++) {
+                const int rows = m, col = (2 * t + p) * 16;
+                const uint8_t *wp = wb + 2L * p * bstride;
+#define T2(R) tile_bf16(R, 2, x, x_stride, k_int, wp, bstride, acc)
+                ROWS_SWITCH(T2)
+#undef T2
+                store_gated(acc, acc + MT, rows, 0, col, out, out_stride, bias ? bias + col : NULL,
+                            bias ? bias + inter + col : NULL);
+            }
+            continue;
+        }
+        for (int r0 = 0; r0 < m; r0 += np == 2 ? GATED_ROWS : MT) {
+            const int rows = m - r0 < (np == 2 ? GATED_ROWS : MT) ? m - r0 : (np == 2 ? GATED_ROWS : MT);
+            const uint16_t *xr = x + (long)r0 * x_stride;
+#define T2(R) tile_bf16(R, 2, xr, x_stride, k_int, wb, bstride, acc)
+#define T4(R) tile_bf16(R, 4, xr, x_stride, k_int, wb, bstride, acc)
+            if (np == 2) {
+                switch (rows) {
+                case 1: T4(1); break;
+                case 2: T4(2); break;
+                case 3: T4(3); break;
+                case 4: T4(4); break;
+                case 5: T4(5); break;
+                default: T4(6); break;
+                }
+            } else {
+                ROWS_SWITCH(T2)
+            }
+#undef T2
+#undef T4
+            for (int p = 0; p < np; p++) {
+                const int col = (2 * t + p) * 16;
+                store_gated(acc + 2 * p * MT, acc + (2 * p + 1) * MT, rows, r0, col, out, out_stride,
+                            bias ? bias + col : NULL, bias ? bias + inter + col : NULL);
+            }
         }
     }
     return 0;
@@ -770,6 +856,23 @@ int qgemm_native_int8(void) {
     return 1;
 #else
     return 0;
+#endif
+}
+
+/* out[m, n / 2] = silu(gate) * up of x[m, :] W^T + bias for a gated bfloat16 weight (bf16_weights_gated):
+ * x, bias and out bfloat16, x k_int wide (no gathering). Returns 0, or -1 where this build has no
+ * AVX512-BF16 or n is not a multiple of 32 (cpu/quant_gemm.py packs gated only where it runs). */
+int qgemm_bf16_gated(const void *x, long x_stride, const uint8_t *w, const void *bias, void *out, long out_stride,
+                     int m, int n, int k_int, int num_threads) {
+#ifdef HAVE_DPBF16
+    if (n % 32) return -1;
+    if (m <= 0) return 0;
+    return bf16_weights_gated((const uint16_t *)x, x_stride, w, (const uint16_t *)bias, (uint16_t *)out, out_stride,
+                              m, n, k_int, num_threads);
+#else
+    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride; (void)m; (void)n; (void)k_int;
+    (void)num_threads;
+    return -1;
 #endif
 }
 
