@@ -47,6 +47,17 @@ def _cpu_flags() -> str:
     return ""
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def build_library(source: Path, portable: bool = False) -> ctypes.CDLL | None:
     """Compiles `source` (once per source, flags and CPU) and loads it; None when it cannot be built."""
     compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
@@ -54,6 +65,8 @@ def build_library(source: Path, portable: bool = False) -> ctypes.CDLL | None:
         logger.warning("no C compiler found: %s falls back to PyTorch", source.name)
         return None
     flags = [*CFLAGS, *PORTABLE_FLAGS] if portable else CFLAGS
+    if cpu_vendor() == "AuthenticAMD":  # for choices measured per vendor (csrc/paged_attention.c's prefetch)
+        flags = [*flags, "-DASYNCENGINE_AMD_CPU"]
     # the headers it may include (csrc/*.h) are part of what gets built, so part of the key too
     code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(code + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
