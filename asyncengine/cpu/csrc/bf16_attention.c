@@ -15,7 +15,9 @@
  *     P = exp(S * scale - m')          float32, causal / sliding-window mask; l = alpha l + sum(P)
  *     O = alpha O + bf16(P) V          vdpbf16ps, lanes over 16 dims, a row's key pair of P broadcast
  * and at the end out = bf16(O / l): the arithmetic of torch's flash kernel for bfloat16 inputs (P rounded
- * to bfloat16 for the second product, the row sums and O kept in float32).
+ * to bfloat16 for the second product, the row sums and O kept in float32). The exponentials are taken in
+ * base 2 (softmax_rows), four rows' steps side by side: 1.12-1.18x the kernel's speed with one row's step
+ * at a time in base e (Cephes exp), mean error against float64 unchanged to four digits (2026-12-06). */
  *
  * Query position of row i of a sequence: kv_len - q_len + i (the chunk is the last q_len positions of
  * the context); it sees keys j <= position, and with a sliding window W > 0 only j > position - W. */
@@ -25,7 +27,7 @@
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
-#include "cpu_common.h" /* exp512: the softmax's exp, as in paged_attention.c */
+#include "cpu_common.h" /* exp2h_512: the softmax's exponentials, as in amx_attention.c */
 #include "prompt_attention.h" /* Call, the K transpose, the work plan */
 #include <omp.h>
 
@@ -67,6 +69,48 @@ static void pack_kv(const Call *c, int s, int g, Unit u) {
                                 : _mm512_setzero_si512();
             _mm512_storeu_si512(vt + (size_t)p * 2 * D + db * 32, _mm512_permutex2var_epi16(x, inter, y));
         }
+    }
+}
+
+/* softmax_step (prompt_attention.h) in base 2 for RG rows at once, and this kernel's P rounded to bfloat16
+ * anyway: the rows' scores scaled by scale * log2(e) (c2) and their running maxima m kept in those units,
+ * so that e = 2^(c2 S - m') is one fmsub and exp2h_512 (7 instructions against Cephes' ~20; its relative
+ * error, 1.7e-7, is far below P's rounding to bfloat16); a block's maximum is taken on the raw scores and
+ * scaled once. The RG rows' steps are written side by side: one row's step is a chain of dependent
+ * reductions and exponentials (~80 cycles a row and block measured, ~25 of instructions), and the rows
+ * are independent. Row r sees keys lo[r] .. pos[r] (none with pos[r] < 0); P rows BK apart get bf16(e). */
+static inline __attribute__((always_inline)) void softmax_rows(const float *S, int nb, int kb, const int *lo,
+                                                               const int *pos, float c2, float *m, float *l,
+                                                               float *alpha, uint16_t *P) {
+    __mmask16 mk[RG][4];
+    float mn[RG];
+    for (int r = 0; r < RG; r++) {
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int n = 0; n < nb; n++) {
+            mk[r][n] = valid_keys(kb + 16 * n, lo[r], pos[r]);
+            mx = _mm512_mask_max_ps(mx, mk[r][n], mx, _mm512_loadu_ps(S + r * BK + 16 * n));
+        }
+        const float bm = _mm512_reduce_max_ps(mx) * c2;
+        mn[r] = bm > m[r] ? bm : m[r];
+    }
+    /* alpha = 2^(m - m'): 1 where the maximum stays (a row that has seen no key yet included: its O and l are
+     * zero), 0 on a row's first keys */
+    __m512 d = _mm512_set1_ps(0.0f);
+    for (int r = 0; r < RG; r++) d = _mm512_mask_mov_ps(d, (__mmask16)(1u << r), _mm512_set1_ps(m[r] - mn[r] + 0.5f));
+    _Alignas(64) float a[16];
+    _mm512_store_ps(a, exp2h_512(d));
+    for (int r = 0; r < RG; r++) {
+        alpha[r] = m[r] == mn[r] ? 1.0f : m[r] == -INFINITY ? 0.0f : a[r];
+        const __m512 c2v = _mm512_set1_ps(c2), mh = _mm512_set1_ps(mn[r] - 0.5f); /* exp2h_512: 2^(y - 1/2) */
+        __m512 sum = _mm512_setzero_ps();
+        for (int n = 0; n < nb; n++) {
+            const __m512 e =
+                _mm512_maskz_mov_ps(mk[r][n], exp2h_512(_mm512_fmsub_ps(_mm512_loadu_ps(S + r * BK + 16 * n), c2v, mh)));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_storeu_si256((__m256i *)(P + r * BK + 16 * n), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+        m[r] = mn[r];
     }
 }
 
@@ -122,7 +166,7 @@ static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u
     (void)scratch; /* on the stack, below */
     const uint16_t *kt = u.k, *vt = u.v;
     const int D = c->D, window = c->window;
-    const float scale = c->scale;
+    const float c2 = c->scale * 1.4426950408889634f; /* scores in base 2: softmax_step2 */
     const int q_row = c->seqs[4 * s], q_len = c->seqs[4 * s + 1], kv_len = c->seqs[4 * s + 3];
     const int r0 = QT * t, nr = q_len - r0 < QT ? q_len - r0 : QT, groups = (nr + RG - 1) / RG;
     const int pos0 = kv_len - q_len + r0, end = pos0 + nr; /* keys 0 .. end - 1 at most */
@@ -155,13 +199,15 @@ static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u
         }
         /* online softmax: each row's running max m and sum l, its P = bf16(exp) for this block (zero on
          * masked keys), alpha the factor its O is rescaled by */
-        for (int r = 0; r < groups * RG; r++) {
-            uint16_t *pr = P + r * BK;
-            const int pos = r < nr ? pos0 + r : -1; /* a padding row sees no key: its P is zero */
-            __m512 e[4];
-            softmax_step(S + r * BK, nb, kb, first_key(pos, window), pos, scale, &m[r], &l[r], &alpha[r], e);
-            for (int n = 0; n < nb; n++)
-                _mm256_storeu_si256((__m256i *)(pr + 16 * n), (__m256i)_mm512_cvtneps_pbh(e[n]));
+        for (int g = 0; g < groups; g++) {
+            int lo[RG], pos[RG];
+            for (int i = 0; i < RG; i++) {
+                const int r = g * RG + i;
+                pos[i] = r < nr ? pos0 + r : -1; /* a padding row sees no key: its P is zero */
+                lo[i] = first_key(pos[i], window);
+            }
+            softmax_rows(S + g * RG * BK, nb, kb, lo, pos, c2, m + g * RG, l + g * RG, alpha + g * RG,
+                         P + g * RG * BK);
         }
         /* the values of this block's keys start at key pair kb / 2 */
         for (int g = 0; g < groups; g++)
