@@ -17,7 +17,7 @@
  * and at the end out = bf16(O / l): the arithmetic of torch's flash kernel for bfloat16 inputs (P rounded
  * to bfloat16 for the second product, the row sums and O kept in float32). The exponentials are taken in
  * base 2 (softmax_rows), four rows' steps side by side: 1.12-1.18x the kernel's speed with one row's step
- * at a time in base e (Cephes exp), mean error against float64 unchanged to four digits (2026-12-06). */
+ * at a time in base e (Cephes exp), mean error against float64 unchanged to four digits (2026-12-06).
  *
  * Query position of row i of a sequence: kv_len - q_len + i (the chunk is the last q_len positions of
  * the context); it sees keys j <= position, and with a sliding window W > 0 only j > position - W. */
