@@ -6,18 +6,20 @@
  * GEMM, and attention was ~40% of a prefill of 512-2048-token prompts. It also takes one call per prompt.
  * Here all of a step's prompt chunks go in one call and one OpenMP region.
  *
- * Per (sequence, KV head) the keys are packed as [16-key block][dim pair][16 keys][2] (a 16 x 16 word
- * transpose in registers, as amx_attention.c's K tiles) and the values as [key pair][dim][2], zero past
- * the sequence. Then per (sequence, head, tile of 16 query rows), over blocks of 64 keys (flash / online
- * softmax, so that a block's scores, probabilities and keys stay in L1):
- *     S = Q K^T                        vdpbf16ps, lanes over 16 keys, a query row's dim pair broadcast
- *     m' = max(m, rowmax(S * scale)),  alpha = exp(m - m')
- *     P = exp(S * scale - m')          float32, causal / sliding-window mask; l = alpha l + sum(P)
+ * Per (sequence, KV head) the keys are copied as plain rows and the values packed as [key pair][dim][2],
+ * zero past the sequence. Then per (sequence, head, tile of 16 query rows), the tile's query dim pairs
+ * transposed (a 16 x 16 word transpose per 32 dims: [dim pair][16 rows]), over blocks of 64 keys (flash /
+ * online softmax, so that a block's scores, probabilities and keys stay in L1):
+ *     S^T = K Q^T                      vdpbf16ps, lanes over the 16 query rows, a key's dim pair broadcast
+ *     m' = max(m, colmax(S^T) c2),     alpha = 2^(m - m')          c2 = scale * log2(e): base 2
+ *     P^T = 2^(c2 S^T - m')            float32, causal / sliding-window mask; l = alpha l + colsum(P^T)
  *     O = alpha O + bf16(P) V          vdpbf16ps, lanes over 16 dims, a row's key pair of P broadcast
  * and at the end out = bf16(O / l): the arithmetic of torch's flash kernel for bfloat16 inputs (P rounded
- * to bfloat16 for the second product, the row sums and O kept in float32). The exponentials are taken in
- * base 2 (softmax_rows), four rows' steps side by side: 1.12-1.18x the kernel's speed with one row's step
- * at a time in base e (Cephes exp), mean error against float64 unchanged to four digits (2026-12-06).
+ * to bfloat16 for the second product, the row sums and O kept in float32). With the rows in the lanes the
+ * softmax is vector arithmetic only (softmax_rows: no horizontal reductions, no per-row scalar chain), and
+ * its exponentials are exp2h_512's 7 instructions. Against the layout before (lanes over keys, per-row
+ * reductions, Cephes exp in base e): 1.19-1.23x the kernel at 256-2048 tokens, mean error against float64
+ * unchanged to four digits (2026-12-06, AMD EPYC, 2 threads).
  *
  * Query position of row i of a sequence: kv_len - q_len + i (the chunk is the last q_len positions of
  * the context); it sees keys j <= position, and with a sliding window W > 0 only j > position - W. */
@@ -28,33 +30,29 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include "cpu_common.h" /* exp2h_512: the softmax's exponentials, as in amx_attention.c */
-#include "prompt_attention.h" /* Call, the K transpose, the work plan */
+#include "prompt_attention.h" /* Call, the word transpose, the work plan */
 #include <omp.h>
 
 #define QT 16 /* query rows per work item */
-#define BK 64 /* keys per softmax block: S (4 KiB), P and the block's K and V stay in L1 */
+#define BK 64 /* keys per softmax block: S^T (4 KiB), P^T and the block's K and V stay in L1 */
 #define RG 4  /* query rows per register block */
 #define MAX_HEAD_DIM 128
 
 int bf16_attention_available(void) { return 1; }
 
-/* Sequence s, KV head g: its keys into kt ([16-key block][D / 2 dim pairs][16 keys][2], keys rounded up
- * to 16) and its values into vt ([key pair][D][2], keys rounded up to 32), zero past its length. */
+/* Sequence s, KV head g: its keys into kt ([key][D], keys rounded up to 16) and its values into vt ([key
+ * pair][D][2], keys rounded up to 32), zero past its length. */
 static void pack_kv(const Call *c, int s, int g, Unit u) {
     uint16_t *kt = u.k, *vt = u.v;
     const int len = c->seqs[4 * s + 3], D = c->D;
     const uint16_t *k = c->k + g * D, *v = c->v + g * D;
-    for (int kb = 0; kb < ceil_to(len, 16) / 16; kb++)
-        for (int db = 0; db < D / 32; db++) {
-            __m512i r[16];
-            for (int n = 0; n < 16; n++)
-                r[n] = kb * 16 + n < len
-                           ? _mm512_loadu_si512(k + key_row(c, s, kb * 16 + n) * c->k_stride + db * 32)
-                           : _mm512_setzero_si512();
-            transpose16(r);
-            uint16_t *t = kt + ((size_t)kb * (D / 2) + db * 16) * 32;
-            for (int p = 0; p < 16; p++) _mm512_storeu_si512(t + p * 32, r[p]);
-        }
+    for (int j = 0; j < ceil_to(len, 16); j++) {
+        uint16_t *row = kt + (size_t)j * D;
+        if (j < len)
+            memcpy(row, k + key_row(c, s, j) * c->k_stride, sizeof(uint16_t) * D);
+        else
+            memset(row, 0, sizeof(uint16_t) * D);
+    }
     /* clang-format off */
     const __m512i inter = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -72,72 +70,81 @@ static void pack_kv(const Call *c, int s, int g, Unit u) {
     }
 }
 
-/* softmax_step (prompt_attention.h) in base 2 for RG rows at once, and this kernel's P rounded to bfloat16
- * anyway: the rows' scores scaled by scale * log2(e) (c2) and their running maxima m kept in those units,
- * so that e = 2^(c2 S - m') is one fmsub and exp2h_512 (7 instructions against Cephes' ~20; its relative
- * error, 1.7e-7, is far below P's rounding to bfloat16); a block's maximum is taken on the raw scores and
- * scaled once. The RG rows' steps are written side by side: one row's step is a chain of dependent
- * reductions and exponentials (~80 cycles a row and block measured, ~25 of instructions), and the rows
- * are independent. Row r sees keys lo[r] .. pos[r] (none with pos[r] < 0); P rows BK apart get bf16(e). */
-static inline __attribute__((always_inline)) void softmax_rows(const float *S, int nb, int kb, const int *lo,
-                                                               const int *pos, float c2, float *m, float *l,
-                                                               float *alpha, uint16_t *P) {
-    __mmask16 mk[RG][4];
-    float mn[RG];
-    for (int r = 0; r < RG; r++) {
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int n = 0; n < nb; n++) {
-            mk[r][n] = valid_keys(kb + 16 * n, lo[r], pos[r]);
-            mx = _mm512_mask_max_ps(mx, mk[r][n], mx, _mm512_loadu_ps(S + r * BK + 16 * n));
+/* S^T [16 keys][16 rows] += for the n16 key groups of 16 at kt (key rows of D, plain): lanes over the 16
+ * query rows of the tile, whose dim pairs qt [D / 2][16 rows] are packed transposed; each key's dim pair is
+ * broadcast (embedded in vdpbf16ps). Inlined with the dimension constant, 16 accumulators a key group. */
+static inline __attribute__((always_inline)) void qk_rows(const uint32_t *qt, const int D, const uint16_t *kt,
+                                                          float *ST, int n16) {
+    const int np = D / 2;
+    for (int g = 0; g < n16; g++) {
+        const uint32_t *kw = (const uint32_t *)(kt + (size_t)g * 16 * D);
+        __m512 acc[16];
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+        for (int p = 0; p < np; p++) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt + p * 16);
+            for (int j = 0; j < 16; j++)
+                acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_set1_epi32((int)kw[j * np + p]));
         }
-        const float bm = _mm512_reduce_max_ps(mx) * c2;
-        mn[r] = bm > m[r] ? bm : m[r];
-    }
-    /* alpha = 2^(m - m'): 1 where the maximum stays (a row that has seen no key yet included: its O and l are
-     * zero), 0 on a row's first keys */
-    __m512 d = _mm512_set1_ps(0.0f);
-    for (int r = 0; r < RG; r++) d = _mm512_mask_mov_ps(d, (__mmask16)(1u << r), _mm512_set1_ps(m[r] - mn[r] + 0.5f));
-    _Alignas(64) float a[16];
-    _mm512_store_ps(a, exp2h_512(d));
-    for (int r = 0; r < RG; r++) {
-        alpha[r] = m[r] == mn[r] ? 1.0f : m[r] == -INFINITY ? 0.0f : a[r];
-        const __m512 c2v = _mm512_set1_ps(c2), mh = _mm512_set1_ps(mn[r] - 0.5f); /* exp2h_512: 2^(y - 1/2) */
-        __m512 sum = _mm512_setzero_ps();
-        for (int n = 0; n < nb; n++) {
-            const __m512 e =
-                _mm512_maskz_mov_ps(mk[r][n], exp2h_512(_mm512_fmsub_ps(_mm512_loadu_ps(S + r * BK + 16 * n), c2v, mh)));
-            sum = _mm512_add_ps(sum, e);
-            _mm256_storeu_si256((__m256i *)(P + r * BK + 16 * n), (__m256i)_mm512_cvtneps_pbh(e));
-        }
-        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-        m[r] = mn[r];
+        for (int j = 0; j < 16; j++) _mm512_storeu_ps(ST + (g * 16 + j) * 16, acc[j]);
     }
 }
 
-/* S[r][16 n + l] = Q row r . key 16 n + l of the block at kt, for RG rows (D apart) and nb <= 4 16-key
- * blocks; S rows BK apart. Inlined with nb constant, so that the RG x nb accumulators stay in registers. */
-static inline __attribute__((always_inline)) void qk_block(const uint16_t *Q, int D, const uint16_t *kt,
-                                                           float *S, const int nb) {
-    const int np = D / 2;
-    const uint32_t *qw = (const uint32_t *)Q;
-    __m512 acc[RG][4];
-    for (int r = 0; r < RG; r++)
-        for (int n = 0; n < nb; n++) acc[r][n] = _mm512_setzero_ps();
-    for (int p = 0; p < np; p++) {
-        __m512bh kv[4];
-        for (int n = 0; n < nb; n++) kv[n] = (__m512bh)_mm512_loadu_si512(kt + ((size_t)n * np + p) * 32);
-        for (int r = 0; r < RG; r++) {
-            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qw[r * np + p]);
-            for (int n = 0; n < nb; n++) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], qb, kv[n]);
+/* The online-softmax step of the tile's 16 rows (one lane each) over n keys kb .. kb + n - 1 of S^T [key][16]
+ * (not yet scaled), in base 2: scores scaled by c2 = scale * log2(e), the running maxima m in those units,
+ * e = 2^(c2 S - m') as one fmsub and exp2h_512 (7 instructions; relative error 1.7e-7, far below P's
+ * rounding to bfloat16). Every step is a vector over the rows: no horizontal reductions, no scalar code.
+ * Row r (position pos0 + r, r < nr) sees key j where lo(r) <= j <= pos0 + r. Writes alpha (the factor O is
+ * rescaled by), updates m and l, and P^T as bfloat16 pairs [key pair][16 rows] (32-bit words: the keys 2p
+ * and 2p + 1 of a row, as pv_block broadcasts them). */
+static inline void softmax_rows(const float *ST, int n, int kb, int pos0, int nr, int window, float c2, __m512 *m,
+                                __m512 *l, float *alpha, uint32_t *PT) {
+    /* clang-format off */
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    /* clang-format on */
+    const unsigned rows = nr >= 16 ? 0xFFFFu : (1u << nr) - 1;
+    __mmask16 mk[BK];
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < n; j++) {
+        const int lo = kb + j - pos0; /* rows r >= lo see key kb + j (causal) */
+        unsigned bits = lo <= 0 ? rows : lo >= 16 ? 0 : rows & ~((1u << lo) - 1);
+        if (window > 0) { /* and rows r <= lo + window - 1 (the window) */
+            const int hi = lo + window; /* rows below hi */
+            bits &= hi <= 0 ? 0 : hi >= 16 ? 0xFFFFu : (1u << hi) - 1;
         }
+        mk[j] = (__mmask16)bits;
+        mx = _mm512_mask_max_ps(mx, mk[j], mx, _mm512_loadu_ps(ST + j * 16));
     }
-    for (int r = 0; r < RG; r++)
-        for (int n = 0; n < nb; n++) _mm512_storeu_ps(S + r * BK + 16 * n, acc[r][n]);
+    const __m512 c2v = _mm512_set1_ps(c2);
+    const __mmask16 seen = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __m512 mold = *m, mnew = _mm512_mask_max_ps(mold, seen, mold, _mm512_mul_ps(mx, c2v));
+    /* alpha = 2^(m - m'): 1 where the maximum stays (rows that have seen no key yet included: O, l zero), 0 on
+     * a row's first keys (m = -inf) */
+    const __mmask16 grew = _mm512_cmp_ps_mask(mnew, mold, _CMP_GT_OQ);
+    const __mmask16 first = _mm512_cmp_ps_mask(mold, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew,
+                                  exp2h_512(_mm512_add_ps(_mm512_sub_ps(mold, mnew), _mm512_set1_ps(0.5f))));
+    a = _mm512_mask_mov_ps(a, grew & first, _mm512_setzero_ps());
+    _mm512_storeu_ps(alpha, a);
+    const __m512 mh = _mm512_sub_ps(mnew, _mm512_set1_ps(0.5f)); /* exp2h_512 takes 2^(y - 1/2) */
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 2) {
+        const __m512 e0 = _mm512_maskz_mov_ps(mk[j], exp2h_512(_mm512_fmsub_ps(_mm512_loadu_ps(ST + j * 16), c2v, mh)));
+        const __m512 e1 = j + 1 < n ? _mm512_maskz_mov_ps(mk[j + 1], exp2h_512(_mm512_fmsub_ps(
+                                                                      _mm512_loadu_ps(ST + (j + 1) * 16), c2v, mh)))
+                                    : _mm512_setzero_ps();
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+        /* [e0 | e1] as 32 bfloat16, then interleaved into (e0[r], e1[r]) words */
+        const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+        _mm512_storeu_si512(PT + (j / 2) * 16, _mm512_permutexvar_epi16(inter, pair));
+    }
+    *l = _mm512_add_ps(_mm512_mul_ps(*l, a), sum);
+    *m = mnew;
 }
 
 /* O[r] = alpha[r] O[r] + sum over key pairs p < np of P[r][2p .. 2p + 1] V[2p .. 2p + 1] for RG rows
  * (P rows BK apart, O rows D apart), 64 dims at a time (16 accumulators). */
-static inline void pv_block(const uint16_t *P, const uint16_t *vt, int D, int np, float *O,
+static inline void pv_block(const uint32_t *PT, int r0, const uint16_t *vt, int D, int np, float *O,
                             const float *alpha) {
     for (int d0 = 0; d0 < D; d0 += 64) {
         __m512 acc[RG][4];
@@ -151,7 +158,7 @@ static inline void pv_block(const uint16_t *P, const uint16_t *vt, int D, int np
             for (int j = 0; j < 4; j++)
                 vv[j] = (__m512bh)_mm512_loadu_si512(vt + (size_t)p * 2 * D + 2 * d0 + 32 * j);
             for (int r = 0; r < RG; r++) {
-                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(P + r * BK))[p]);
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)PT[p * 16 + r0 + r]);
                 for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pb, vv[j]);
             }
         }
@@ -171,51 +178,34 @@ static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u
     const int r0 = QT * t, nr = q_len - r0 < QT ? q_len - r0 : QT, groups = (nr + RG - 1) / RG;
     const int pos0 = kv_len - q_len + r0, end = pos0 + nr; /* keys 0 .. end - 1 at most */
     const int first = first_key(pos0, window);
-    _Alignas(64) uint16_t Q[QT * MAX_HEAD_DIM], P[QT * BK];
-    _Alignas(64) float S[QT * BK], O[QT * MAX_HEAD_DIM];
-    float m[QT], l[QT], alpha[QT];
-    /* the query rows, zero-padded to whole register blocks (a padding row's scores are 0, its P is 0) */
-    for (int r = 0; r < groups * RG; r++) {
-        if (r < nr)
-            memcpy(Q + r * D, c->q + (long)(q_row + r0 + r) * c->q_stride + h * D, sizeof(uint16_t) * D);
-        else
-            memset(Q + r * D, 0, sizeof(uint16_t) * D);
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
+    _Alignas(64) uint32_t QTw[MAX_HEAD_DIM / 2 * 16], PT[BK / 2 * 16];
+    _Alignas(64) float ST[BK * 16], O[QT * MAX_HEAD_DIM], alpha[QT], lv[QT];
+    /* the query rows' dim pairs transposed, [D / 2][16 rows] (zero for rows past nr) */
+    for (int db = 0; db < D / 32; db++) {
+        __m512i r16[16];
+        for (int r = 0; r < 16; r++)
+            r16[r] = r < nr ? _mm512_loadu_si512(c->q + (long)(q_row + r0 + r) * c->q_stride + h * D + db * 32)
+                            : _mm512_setzero_si512();
+        transpose16(r16);
+        for (int p = 0; p < 16; p++) _mm512_storeu_si512(QTw + (db * 16 + p) * 16, r16[p]);
     }
+    __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
     memset(O, 0, sizeof(float) * groups * RG * D);
     for (int kb = first / 16 * 16; kb < end; kb += BK) {
-        const int nb = ((end - kb < BK ? end - kb : BK) + 15) / 16;
-        const uint16_t *kblk = kt + (size_t)kb * D; /* 16-key blocks of 16 * D elements */
-        for (int g = 0; g < groups; g++) {
-            const uint16_t *qg = Q + g * RG * D;
-            float *sg = S + g * RG * BK;
-            switch (nb) {
-            case 4: qk_block(qg, D, kblk, sg, 4); break;
-            case 3: qk_block(qg, D, kblk, sg, 3); break;
-            case 2: qk_block(qg, D, kblk, sg, 2); break;
-            default: qk_block(qg, D, kblk, sg, 1); break;
-            }
-        }
-        /* online softmax: each row's running max m and sum l, its P = bf16(exp) for this block (zero on
-         * masked keys), alpha the factor its O is rescaled by */
-        for (int g = 0; g < groups; g++) {
-            int lo[RG], pos[RG];
-            for (int i = 0; i < RG; i++) {
-                const int r = g * RG + i;
-                pos[i] = r < nr ? pos0 + r : -1; /* a padding row sees no key: its P is zero */
-                lo[i] = first_key(pos[i], window);
-            }
-            softmax_rows(S + g * RG * BK, nb, kb, lo, pos, c2, m + g * RG, l + g * RG, alpha + g * RG,
-                         P + g * RG * BK);
-        }
+        const int n = end - kb < BK ? end - kb : BK, n16 = (n + 15) / 16;
+        if (D == 64)
+            qk_rows(QTw, 64, kt + (size_t)kb * D, ST, n16);
+        else
+            qk_rows(QTw, 128, kt + (size_t)kb * D, ST, n16);
+        softmax_rows(ST, n16 * 16, kb, pos0, nr, window, c2, &m, &l, alpha, PT);
         /* the values of this block's keys start at key pair kb / 2 */
         for (int g = 0; g < groups; g++)
-            pv_block(P + g * RG * BK, vt + (size_t)kb * D, D, 8 * nb, O + g * RG * D, alpha + g * RG);
+            pv_block(PT, g * RG, vt + (size_t)kb * D, D, 8 * n16, O + g * RG * D, alpha + g * RG);
     }
+    _mm512_storeu_ps(lv, l);
     for (int r = 0; r < nr; r++) {
         uint16_t *o = c->out + (long)(q_row + r0 + r) * c->out_stride + h * D;
-        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        const __m512 inv = _mm512_set1_ps(1.0f / lv[r]);
         for (int d = 0; d < D; d += 16) {
             const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(O + r * D + d), inv);
             _mm256_storeu_si256((__m256i *)(o + d), (__m256i)_mm512_cvtneps_pbh(x));
