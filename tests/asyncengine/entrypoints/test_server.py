@@ -260,7 +260,32 @@ async def test_cancel_and_disconnect_free_kv_blocks(server: ServerProcess) -> No
                 if line.startswith("data:"):
                     break  # leaving the block drops the connection mid-stream
     aborts = await asyncio.to_thread(wait_aborted, server, aborts)
-    async with httpx.AsyncClient(base_url=server.base, headers=AUTH, timeout=0.5) as http:
-        with pytest.raises(httpx.ReadTimeout):  # a non-streaming request whose client gives up
-            await http.post("/v1/completions", json={"prompt": "slow", **long})
+    await give_up_on_a_running_request(server, {"prompt": "slow", **long})
     await asyncio.to_thread(wait_aborted, server, aborts)
+
+
+async def give_up_on_a_running_request(server: ServerProcess, payload: dict) -> None:
+    """A non-streaming /v1/completions request whose client hangs up once the server is running it (its KV
+    blocks taken). Not a client read timeout: that raced the generation, and a fast CPU finished 1000
+    tokens of the tiny model inside the 0.5 s it allowed (seen on an AMD EPYC, 2026-12-06)."""
+
+    def free() -> float:
+        return metric(server, "kv_cache_free_blocks")
+
+    deadline = asyncio.get_running_loop().time() + 30
+    while await asyncio.to_thread(free) < NUM_KV_BLOCKS:  # the aborts before this one have freed theirs
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+    body = json.dumps(payload).encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    writer.write(head.encode() + body)
+    await writer.drain()
+    while await asyncio.to_thread(free) == NUM_KV_BLOCKS:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.005)
+    writer.close()
+    await writer.wait_closed()
