@@ -173,7 +173,7 @@ static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u
     (void)scratch; /* on the stack, below */
     const uint16_t *kt = u.k, *vt = u.v;
     const int D = c->D, window = c->window;
-    const float c2 = c->scale * 1.4426950408889634f; /* scores in base 2: softmax_step2 */
+    const float c2 = c->scale * 1.4426950408889634f; /* scores in base 2: softmax_rows */
     const int q_row = c->seqs[4 * s], q_len = c->seqs[4 * s + 1], kv_len = c->seqs[4 * s + 3];
     const int r0 = QT * t, nr = q_len - r0 < QT ? q_len - r0 : QT, groups = (nr + RG - 1) / RG;
     const int pos0 = kv_len - q_len + r0, end = pos0 + nr; /* keys 0 .. end - 1 at most */

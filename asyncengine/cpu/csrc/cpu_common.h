@@ -1,5 +1,5 @@
 /* Helpers shared by the CPU kernels in this directory: float32 / bfloat16 / float8 e5m2 loads as float32,
- * float32 -> bfloat16 and, with AVX-512, 16-lane masks and loads and a polynomial exp. Included by
+ * float32 -> bfloat16 and, with AVX-512, 16-lane masks, loads, bfloat16 rounding and polynomial exps. Included by
  * paged_attention.c and cpu_ops.c; asyncengine/cpu/build.py hashes this file into both
  * libraries' cache keys. */
 #ifndef ASYNCENGINE_CPU_COMMON_H
@@ -48,6 +48,29 @@ static inline __mmask16 mask_upto(int n) { return n >= 16 ? (__mmask16)0xFFFF : 
 
 /* 16 float32 values, zero where the mask is off. */
 static inline __m512 load16_f32(const float *p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
+
+/* 16 lanes rounded to bfloat16 bits as f32_to_bf16 rounds (nearest even; a NaN stays a quiet NaN) */
+static inline __m512i bf16_bits(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    return _mm512_mask_or_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16),
+                                _mm512_set1_epi32(0x40));
+}
+/* 16 lanes to bfloat16 bits. With AVX512-BF16, vcvtneps2bf16 rounds the same way (nearest even, NaN
+ * quieted) in one instruction, except that it flushes denormal inputs to zero: a vector holding one
+ * (vfpclassps says so) takes bf16_bits instead. */
+static inline __m256i bf16_pack(__m512 x) {
+#ifdef __AVX512BF16__
+    if (__builtin_expect(!_mm512_fpclass_ps_mask(x, 0x20), 1)) return (__m256i)_mm512_cvtneps_pbh(x);
+#endif
+    return _mm512_cvtepi32_epi16(bf16_bits(x));
+}
+/* 16 lanes rounded to bfloat16 and widened back: the values a bfloat16 tensor would hold */
+static inline __m512 bf16_round(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(x)), 16));
+}
 
 /* 16 bf16 values (zero where the mask is off) widened to float32 in registers: a 16-bit shift. */
 static inline __m512 load16_bf16(const uint16_t *p, __mmask16 mk) {

@@ -37,28 +37,8 @@ void rotary_##SUF(const T *x, long x_stride, const T *cos, const T *sin, T *out,
 #ifdef HAVE_AVX512
 static inline __m512 ld16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 static inline __m512 ld16_bf16(const uint16_t *p, __mmask16 m) { return load16_bf16(p, m); }
-/* round to nearest even; a NaN stays a (quiet) NaN: f32_to_bf16 */
-static inline __m512i bf16_bits(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded =
-        _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    return _mm512_mask_or_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16),
-                                _mm512_set1_epi32(0x40));
-}
-/* 16 lanes to bfloat16 bits. With AVX512-BF16, vcvtneps2bf16 rounds the same way (nearest even, NaN
- * quieted) in one instruction, except that it flushes denormal inputs to zero: a vector holding one
- * (vfpclassps says so) takes bf16_bits instead. */
-static inline __m256i bf16_pack(__m512 x) {
-#ifdef __AVX512BF16__
-    if (__builtin_expect(!_mm512_fpclass_ps_mask(x, 0x20), 1)) return (__m256i)_mm512_cvtneps_pbh(x);
-#endif
-    return _mm512_cvtepi32_epi16(bf16_bits(x));
-}
 static inline __m512 rnd16_f32(__m512 x) { return x; }
-static inline __m512 rnd16_bf16(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(x)), 16));
-}
+static inline __m512 rnd16_bf16(__m512 x) { return bf16_round(x); }
 static inline void st16_f32(float *p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
 static inline void st16_bf16(uint16_t *p, __m512 x, __mmask16 m) {
     _mm256_mask_storeu_epi16(p, m, bf16_pack(x));

@@ -229,17 +229,6 @@ static inline __attribute__((always_inline)) void block_strip(int rows, const fl
             CALL(A, B, QT_FP8);                                                                            \
     } while (0)
 
-/* 16 float32 lanes -> bfloat16, rounded as f32_to_bf16 rounds (to nearest even; NaN stays NaN) */
-static inline __m256i bf16x16_of(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __mmask16 nan =
-        _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
-}
-
 static void store_tile(const __m512 *acc, int rows, int r0, int col0, int n, void *out, long out_stride,
                        int out_bf16, const void *bias) {
     float tmp[16];
@@ -250,7 +239,7 @@ static void store_tile(const __m512 *acc, int rows, int r0, int col0, int n, voi
                               : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
             const __m512 v = bias ? _mm512_add_ps(acc[r], b) : acc[r];
-            _mm256_storeu_si256((__m256i *)((uint16_t *)out + (long)(r0 + r) * out_stride + col0), bf16x16_of(v));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + (long)(r0 + r) * out_stride + col0), bf16_pack(v));
         }
         return;
     }
@@ -477,17 +466,6 @@ static int bf16_weights(const void *x, long x_stride, const uint8_t *w, const vo
     return 0;
 }
 
-/* 16 float32 lanes -> bfloat16 bits, rounded as bf16x16_of rounds: vcvtneps2bf16 in one instruction, except
- * for a vector holding a denormal (which it would flush to zero) */
-static inline __m256i bf16x16_fast(__m512 v) {
-    if (__builtin_expect(!_mm512_fpclass_ps_mask(v, 0x20), 1)) return (__m256i)_mm512_cvtneps_pbh(v);
-    return bf16x16_of(v);
-}
-/* 16 float32 lanes -> bfloat16 -> float32: the value a bfloat16 tensor would hold */
-static inline __m512 bf16_round16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_fast(v)), 16));
-}
-
 /* `rows` rows of a gate and an up accumulator block (+ their biases) -> 16 columns of T(silu(g)) * u, with
  * g and u the bfloat16 projections: cpu_ops.c's silu_and_mul on the rounded plain output, bit for bit. */
 __attribute__((noinline)) static void store_gated(const __m512 *acc_g, const __m512 *acc_u, int rows, int r0, int col, uint16_t *out,
@@ -495,12 +473,12 @@ __attribute__((noinline)) static void store_gated(const __m512 *acc_g, const __m
     const __m512 bg = bias_g ? load16_bf16(bias_g, 0xFFFF) : _mm512_setzero_ps();
     const __m512 bu = bias_u ? load16_bf16(bias_u, 0xFFFF) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
-        const __m512 g = bf16_round16(_mm512_add_ps(acc_g[r], bg));
-        const __m512 u = bf16_round16(_mm512_add_ps(acc_u[r], bu));
+        const __m512 g = bf16_round(_mm512_add_ps(acc_g[r], bg));
+        const __m512 u = bf16_round(_mm512_add_ps(acc_u[r], bu));
         const __m512 a = _mm512_div_ps(
             g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
         _mm256_storeu_si256((__m256i *)(out + (long)(r0 + r) * out_stride + col),
-                            bf16x16_fast(_mm512_mul_ps(bf16_round16(a), u)));
+                            bf16_pack(_mm512_mul_ps(bf16_round(a), u)));
     }
 }
 
