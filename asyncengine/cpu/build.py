@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from functools import cache
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -37,25 +38,26 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _cpu_flags() -> str:
+@cache
+def _cpuinfo_field(name: str) -> str:
+    """The first /proc/cpuinfo line starting with `name` ("flags", "vendor_id"), or "" where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(name):
                 return line
     except OSError:
         pass
     return ""
 
 
+def _cpu_flags() -> str:
+    return _cpuinfo_field("flags")
+
+
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where there is none."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    line = _cpuinfo_field("vendor_id")
+    return line.split(":", 1)[1].strip() if ":" in line else ""
 
 
 def build_library(source: Path, portable: bool = False) -> ctypes.CDLL | None:
