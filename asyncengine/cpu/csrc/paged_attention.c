@@ -453,60 +453,90 @@ static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, f
  * float32 vectors, lo and hi, in acc's layout; ACC_INDEX maps a dim to its acc slot), so that the heads of  \
  * a grouped-query KV head share its widening (R x GS <= 8: 16 accumulators). Every head of every row adds  \
  * the same products in the same order whatever R and GS are. */                                        \
-static inline __attribute__((always_inline)) void NAME##_values_gs(int R, int GS, int x0, float *const *acc, \
+static inline __attribute__((always_inline)) void NAME##_values_gs(int R, int NK, int GS, int x0, float *const *acc, \
                                  const float *const *scores, const KT *vh, int n, int head_dim, int width, \
                                  int sb, long kv_stride) {                                              \
     for (int j = 0; j < width; j += 32) {                                                               \
-        __m512 lo[8], hi[8]; /* [r * GS + g] */                                                         \
+        __m512 lo[8], hi[8]; /* [(r * NK + k) * GS + g] */                                              \
         for (int r = 0; r < R; r++)                                                                     \
-            for (int g = 0; g < GS; g++) {                                                              \
-                const long o = (long)(x0 + g) * width + j;                                              \
-                lo[r * GS + g] = _mm512_load_ps(acc[r] + o);                                            \
-                hi[r * GS + g] = _mm512_load_ps(acc[r] + o + 16);                                       \
-            }                                                                                           \
-        for (int t = 0; t < n; t++) {                                                                   \
-            __m512 vl, vh2;                                                                             \
-            VLOAD32(vh + t * kv_stride + j, head_dim - j, &vl, &vh2);                                   \
-            for (int r = 0; r < R; r++)                                                                 \
+            for (int k = 0; k < NK; k++)                                                                \
                 for (int g = 0; g < GS; g++) {                                                          \
-                    const int x = x0 + g;                                                               \
-                    const __m512 p = _mm512_set1_ps(scores[r][(x >> 4) * sb * 16 + t * 16 + (x & 15)]); \
-                    lo[r * GS + g] = _mm512_fmadd_ps(p, vl, lo[r * GS + g]);                            \
-                    hi[r * GS + g] = _mm512_fmadd_ps(p, vh2, hi[r * GS + g]);                           \
+                    const long o = (long)(x0 + k * GS + g) * width + j;                                 \
+                    lo[(r * NK + k) * GS + g] = _mm512_load_ps(acc[r] + o);                             \
+                    hi[(r * NK + k) * GS + g] = _mm512_load_ps(acc[r] + o + 16);                        \
                 }                                                                                       \
-        }                                                                                               \
-        for (int r = 0; r < R; r++)                                                                     \
-            for (int g = 0; g < GS; g++) {                                                              \
-                const long o = (long)(x0 + g) * width + j;                                              \
-                _mm512_store_ps(acc[r] + o, lo[r * GS + g]);                                            \
-                _mm512_store_ps(acc[r] + o + 16, hi[r * GS + g]);                                       \
+        for (int t = 0; t < n; t++)                                                                     \
+            for (int k = 0; k < NK; k++) {                                                              \
+                __m512 vl, vh2;                                                                         \
+                VLOAD32(vh + t * kv_stride + (long)k * head_dim + j, head_dim - j, &vl, &vh2);          \
+                for (int r = 0; r < R; r++)                                                             \
+                    for (int g = 0; g < GS; g++) {                                                      \
+                        const int x = x0 + k * GS + g, a = (r * NK + k) * GS + g;                       \
+                        const __m512 p = _mm512_set1_ps(scores[r][(x >> 4) * sb * 16 + t * 16 + (x & 15)]); \
+                        lo[a] = _mm512_fmadd_ps(p, vl, lo[a]);                                          \
+                        hi[a] = _mm512_fmadd_ps(p, vh2, hi[a]);                                         \
+                    }                                                                                   \
             }                                                                                           \
+        for (int r = 0; r < R; r++)                                                                     \
+            for (int k = 0; k < NK; k++)                                                                \
+                for (int g = 0; g < GS; g++) {                                                          \
+                    const long o = (long)(x0 + k * GS + g) * width + j;                                 \
+                    _mm512_store_ps(acc[r] + o, lo[(r * NK + k) * GS + g]);                             \
+                    _mm512_store_ps(acc[r] + o + 16, hi[(r * NK + k) * GS + g]);                        \
+                }                                                                                       \
     }                                                                                                   \
 }                                                                                                       \
 /* acc += p.v for R = 1, 2 or 4 rows over the same block, the heads of each KV head in runs of up to 8 / R \
  * (measured with 16 heads over 4 KV heads: ~3x the arithmetic per byte of K/V of 12 full heads, and the \
  * widening of V repeated per head had made the kernel compute-bound). */                              \
-static inline __attribute__((always_inline)) void NAME##_values(int R, float *const *acc, const float *const *scores, const KT *vb, int n, \
+static inline __attribute__((always_inline)) void NAME##_values_at(int R, float *const *acc, const float *const *scores, const KT *vb, int n, \
                                  int nkv, int group, int head_dim, int width, int sb, long kv_stride,     \
                                  const KT *v_next) {                                                    \
     const int hg = nkv * group, cap = 8 / R;                                                            \
-    for (int x0 = 0, gs; x0 < hg; x0 += gs) {                                                           \
+    for (int x0 = 0, gs, nk; x0 < hg; x0 += nk * gs) {                                                  \
         const int kv = x0 / group, left = (kv + 1) * group - x0; /* this KV head's heads from x0 */     \
         gs = cap >= 8 && left >= 8 ? 8 : cap >= 4 && left >= 4 ? 4 : cap >= 2 && left >= 2 ? 2 : 1;     \
+        /* whole small KV heads side by side, so that R x NK x GS accumulator pairs stay in flight */   \
+        const int fit = gs == group ? (nkv - kv < cap / gs ? nkv - kv : cap / gs) : 1;                   \
+        nk = fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;                                            \
         const KT *vh = vb + kv * head_dim;                                                              \
         if (v_next) /* the next block's V rows, a share per head */                                     \
-            for (int t = x0 * n / hg; t < (x0 + gs) * n / hg; t++)                                      \
+            for (int t = x0 * n / hg; t < (x0 + nk * gs) * n / hg; t++)                                 \
                 for (long b = 0; b < (long)nkv * head_dim * (long)sizeof(KT); b += 64)                  \
                     _mm_prefetch((const char *)(v_next + t * kv_stride) + b, NEXT_BLOCK_HINT);            \
         if (cap >= 8 && gs == 8)                                                                        \
-            NAME##_values_gs(R, 8, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);             \
+            NAME##_values_gs(R, 1, 8, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+        else if (cap >= 8 && gs == 4 && nk == 2)                                                        \
+            NAME##_values_gs(R, 2, 4, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
         else if (cap >= 4 && gs == 4)                                                                   \
-            NAME##_values_gs(R, 4, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);             \
+            NAME##_values_gs(R, 1, 4, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+        else if (cap >= 8 && gs == 2 && nk == 4)                                                        \
+            NAME##_values_gs(R, 4, 2, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+        else if (cap >= 4 && gs == 2 && nk == 2)                                                        \
+            NAME##_values_gs(R, 2, 2, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
         else if (cap >= 2 && gs == 2)                                                                   \
-            NAME##_values_gs(R, 2, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);             \
+            NAME##_values_gs(R, 1, 2, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+        else if (cap >= 8 && nk == 8)                                                                   \
+            NAME##_values_gs(R, 8, 1, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+        else if (cap >= 4 && nk == 4)                                                                   \
+            NAME##_values_gs(R, 4, 1, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+        else if (cap >= 2 && nk == 2)                                                                   \
+            NAME##_values_gs(R, 2, 1, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
         else                                                                                            \
-            NAME##_values_gs(R, 1, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);             \
+            NAME##_values_gs(R, 1, 1, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
     }                                                                                                   \
+}                                                                                                       \
+/* acc += p.v (NAME##_values_at) with a constant head_dim for the usual 64 and 128, as the dots: the V loads' \
+ * masks and the loop over 32-dim chunks then fold away. The same products in the same order. */       \
+static inline __attribute__((always_inline)) void NAME##_values(int R, float *const *acc, const float *const *scores, const KT *vb, int n, \
+                                 int nkv, int group, int head_dim, int width, int sb, long kv_stride,     \
+                                 const KT *v_next) {                                                    \
+    if (head_dim == 64)                                                                                 \
+        NAME##_values_at(R, acc, scores, vb, n, nkv, group, 64, 64, sb, kv_stride, v_next);              \
+    else if (head_dim == 128)                                                                           \
+        NAME##_values_at(R, acc, scores, vb, n, nkv, group, 128, 128, sb, kv_stride, v_next);            \
+    else                                                                                                \
+        NAME##_values_at(R, acc, scores, vb, n, nkv, group, head_dim, width, sb, kv_stride, v_next);     \
 }
 
 /* Long rows are split at fixed key positions, every SEG_KEYS keys (rounded to whole blocks): each
