@@ -5,6 +5,7 @@
     python bench/decode_step.py --batch 32 --context 512
     python bench/decode_step.py --dtypes bfloat16 --kv-cache-dtypes auto fp8_e5m2 \
   # float8 K/V: half the reads
+    python bench/decode_step.py --block-sizes 16 64   # KV-cache block sizes side by side
 
 Drives a ModelRunner directly (no engine, no sockets) on the bench's "medium" Llama (~100M, hidden
 768, 12 layers): a prefill of `batch` random prompts of `context` tokens, then timed greedy decode
@@ -104,10 +105,14 @@ def timed_entry_points() -> Iterator[dict[str, float]]:
             setattr(owner, name, fn)
 
 
-def measure(model: Path, dtype: str, kv_dtype: str, batch: int, context: int, steps: int) -> dict[str, Any]:
+def measure(
+    model: Path, dtype: str, kv_dtype: str, block_size: int | None, batch: int, context: int, steps: int
+) -> dict[str, Any]:
     torch_dtype = getattr(torch, dtype)
     set_attention_backend(CpuAttentionBackend())
     cfg = EngineConfig(model=str(model), dtype=dtype, max_num_seqs=max(batch, 1), kv_cache_dtype=kv_dtype)
+    if block_size is not None:
+        cfg = cfg.replace(block_size=block_size)
     max_len = context + steps + 16
     runner = ModelRunner(cfg, ParallelContext(), torch.device("cpu"), torch_dtype, max_len)
     per_seq = -(-max_len // cfg.block_size)
@@ -190,6 +195,7 @@ def measure(model: Path, dtype: str, kv_dtype: str, batch: int, context: int, st
     return {
         "dtype": dtype,
         "kv_cache_dtype": kv_dtype,
+        "block_size": cfg.block_size,
         "ms": seconds * 1e3,
         "tok_s": batch / seconds,
         "weight_bytes": weights + packed,
@@ -211,16 +217,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8_e5m2"])
+    p.add_argument(
+        "--block-sizes",
+        nargs="+",
+        type=int,
+        default=[None],
+        help="KV-cache block sizes (default: the engine's)",
+    )
     p.add_argument("--out", type=Path, default=OUT / "decode_step.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     info = machine_info()
     model = build_model("medium")
     rate = STREAM_BYTES / stream_read_seconds()
-    runs = [(d, kv) for d in args.dtypes for kv in args.kv_cache_dtypes]
+    runs = [(d, kv, b) for d in args.dtypes for kv in args.kv_cache_dtypes for b in args.block_sizes]
     results = [
-        measure(model, d, kv, args.batch, args.context, args.steps)
-        for d, kv in tqdm(runs, desc="decode step")
+        measure(model, d, kv, b, args.batch, args.context, args.steps)
+        for d, kv, b in tqdm(runs, desc="decode step")
     ]
     rows = []
     for r in results:
@@ -229,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             [
                 r["dtype"],
                 r["kv_cache_dtype"],
+                r["block_size"],
                 r["ms"],
                 r["tok_s"],
                 r["weight_bytes"] / 2**20,
@@ -249,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             [
                 "dtype",
                 "KV dtype",
+                "block",
                 "ms/step",
                 "tok/s",
                 "weights MiB",
@@ -269,9 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         table(
-            ["dtype", "KV dtype", "step", *labels],
+            ["dtype", "KV dtype", "block", "step", *labels],
             [
-                [r["dtype"], r["kv_cache_dtype"], r["timed_ms"], *(r["breakdown_ms"][k] for k in labels)]
+                [
+                    r["dtype"],
+                    r["kv_cache_dtype"],
+                    r["block_size"],
+                    r["timed_ms"],
+                    *(r["breakdown_ms"][k] for k in labels),
+                ]
                 for r in results
             ],
         )

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from asyncengine.config import EngineConfig
+from asyncengine.device_probe import driver_gpu_count
 from asyncengine.dp_engine import DataParallelEngine, start_engine
 from asyncengine.engine import AsyncEngine
 from asyncengine.entrypoints.guard import OriginPolicy
@@ -69,21 +70,6 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
-
-
-def driver_gpu_count() -> int:
-    """GPUs the CUDA driver shows this process, without torch: cuInit + cuDeviceGetCount from libcuda,
-    which honour CUDA_VISIBLE_DEVICES as torch's count does; 0 without a driver or a device."""
-    import ctypes
-
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:  # no NVIDIA driver (or not Linux): torch could see no GPU either
-        return 0
-    count = ctypes.c_int(0)
-    if libcuda.cuInit(0) != 0 or libcuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return 0
-    return count.value
 
 
 def _device_error(config: EngineConfig, count: int) -> str | None:

@@ -1,8 +1,8 @@
 """What `asyncengine serve` logs about its engine: one line once it is ready, then throughput while busy.
 
     ... INFO asyncengine.serve: engine ready: model default-model (/path/default-model), dtype float32,
-        device cpu, parallel tp 1 x pp 1 (1 node), KV cache 256 blocks x 16 = 4096 tokens (kv float32),
-        max_model_len 1024 (4.00x concurrency at that length), prefix caching on
+        device cpu, parallel tp 1 x pp 1 (1 node), KV cache 256 blocks x 64 = 16384 tokens (kv float32),
+        max_model_len 1024 (16.00x concurrency at that length), prefix caching on
     ... INFO asyncengine.stats: Avg prompt throughput: 28.0 tokens/s,
         Avg generation throughput: 510.2 tokens/s, Running: 4 seqs, Waiting: 0 seqs,
         KV cache usage: 12.5%, Prefix cache hit rate: 50.0%
@@ -14,11 +14,11 @@ waiting (vLLM's), and not at all while the server is idle. Nothing here imports 
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from asyncengine.device_probe import resolved_device
 from asyncengine.dp_engine import DataParallelEngine
 from asyncengine.stats import StatsSnapshot
 
@@ -38,22 +38,6 @@ _DTYPE_NAMES = {
 
 
 # -- the start-up line ----------------------------------------------------------------------------
-def torch_is_cpu_build() -> bool:
-    """Whether the installed torch is a CPU-only build (version `2.x.y+cpu`), read without importing it."""
-    try:
-        return importlib.metadata.version("torch").endswith("+cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-def resolved_device(config: EngineConfig, gpu_count: int) -> str:
-    """The device the workers run on: --device, or for "auto" CUDA when the driver shows a GPU and torch
-    is a CUDA build (as cuda/device.resolve_device decides in the workers)."""
-    if config.device != "auto":
-        return config.device
-    return "cuda" if gpu_count > 0 and not torch_is_cpu_build() else "cpu"
-
-
 def resolved_dtype(config: EngineConfig, hf_config: Any, device: str) -> str:
     """The weights' dtype as the workers choose it (worker.resolve_dtype): --dtype, else the checkpoint's,
     with float16 run as bfloat16 on a CPU."""
@@ -71,7 +55,7 @@ def resolved_dtype(config: EngineConfig, hf_config: Any, device: str) -> str:
 def startup_line(engine: AsyncEngine, served_name: str, gpu_count: int) -> str:
     """The engine's model, dtype, device, parallel layout, KV cache and context length, in one line."""
     config = engine.config
-    device = resolved_device(config, gpu_count)
+    device = resolved_device(config.device, gpu_count)
     dtype = resolved_dtype(config, engine.hf_config, device)
     kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     blocks = engine.num_kv_blocks

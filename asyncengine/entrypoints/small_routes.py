@@ -11,11 +11,12 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from asyncengine.device_probe import resolved_device
 from asyncengine.dp_engine import DataParallelEngine
 from asyncengine.engine import AsyncEngine
 from asyncengine.entrypoints.api_errors import ApiError
 from asyncengine.entrypoints.guard import api_key_ok
-from asyncengine.entrypoints.log_stats import resolved_device, resolved_dtype
+from asyncengine.entrypoints.log_stats import resolved_dtype
 from asyncengine.entrypoints.openai_protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -57,7 +58,7 @@ def _dtype(engine: AsyncEngine) -> str:
     """The weights' dtype as the start-up line says it (the device matters only for a float16 checkpoint
     with --dtype auto, so the driver is asked only without --device)."""
     config = engine.config
-    device = config.device if config.device != "auto" else resolved_device(config, _gpu_count())
+    device = config.device if config.device != "auto" else resolved_device("auto", _gpu_count())
     return resolved_dtype(config, engine.hf_config, device)
 
 

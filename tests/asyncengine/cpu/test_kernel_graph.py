@@ -37,7 +37,8 @@ def make_runner(
     path: Any, max_num_seqs: int, max_len: int, num_blocks: int
 ) -> tuple[ModelRunner, KernelGraphRunner]:
     set_attention_backend(CpuAttentionBackend())
-    cfg = EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=max_num_seqs)
+    # block_size 16: the tests lay out block tables of 16-token blocks themselves
+    cfg = EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=max_num_seqs, block_size=16)
     runner = ModelRunner(cfg, ParallelContext(), torch.device("cpu"), torch.bfloat16, max_len)
     runner.init_cache(num_blocks)
     graphs = runner.graph_runner

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from server_process import start_server
 
-from asyncengine.config import EngineConfig, default_model_path
+from asyncengine.config import CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE, EngineConfig, default_model_path
 from asyncengine.entrypoints import log_stats
 from asyncengine.entrypoints.log_stats import Reading, resolved_dtype, startup_line, throughput_line
 from asyncengine.entrypoints.logging_config import (
@@ -105,11 +105,11 @@ def fake_engine(
 
 
 def test_startup_line() -> None:
-    engine = fake_engine(EngineConfig(device="cpu"))
+    engine = fake_engine(EngineConfig(device="cpu"))  # the CPU's default block size
     assert startup_line(engine, "default-model", gpu_count=0) == (
         f"engine ready: model default-model ({default_model_path()}), dtype float32, device cpu, "
-        "parallel tp 1 x pp 1 (1 node), KV cache 256 blocks x 16 = 4096 tokens (kv float32), "
-        "max_model_len 1024 (4.00x "
+        f"parallel tp 1 x pp 1 (1 node), KV cache 256 blocks x {CPU_BLOCK_SIZE} = {256 * CPU_BLOCK_SIZE} "
+        f"tokens (kv float32), max_model_len 1024 ({256 * CPU_BLOCK_SIZE / 1024:.2f}x "
         "concurrency at that length), prefix caching on"
     )
     line = startup_line(
@@ -218,7 +218,8 @@ def test_server_logs_startup_and_throughput_in_one_format(tmp_path: Path) -> Non
     startup = next(line for line in lines if "engine ready:" in line)
     assert re.search(
         r"INFO asyncengine\.serve: engine ready: model default-model \(.*default-model\), dtype "
-        r"float32, device (cpu|cuda), parallel tp 1 x pp 1 \(1 node\), KV cache 256 blocks x 16 = 4096 "
+        rf"float32, device (cpu|cuda), parallel tp 1 x pp 1 \(1 node\), KV cache 256 blocks x "
+        rf"({CPU_BLOCK_SIZE} = {256 * CPU_BLOCK_SIZE}|{CUDA_BLOCK_SIZE} = {256 * CUDA_BLOCK_SIZE}) "
         r"tokens \(kv float32\), max_model_len 1024 ",
         startup,
     ), startup
