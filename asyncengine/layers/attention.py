@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from asyncengine.cpu import ops as cpu_ops
-from asyncengine.layers.attention_backend import AttentionBackend, AttentionMetadata
+from asyncengine.layers.attention_backend import AttentionBackend, AttentionMetadata, SampledRows
 from asyncengine.layers.attention_selector import get_attention_backend, set_attention_backend
 from asyncengine.layers.rotary import apply_rotary
 
@@ -35,6 +35,7 @@ __all__ = [
     "Attention",
     "AttentionBackend",
     "AttentionMetadata",
+    "SampledRows",
     "forward_context",
     "get_attention_backend",
     "get_attention_metadata",
@@ -115,9 +116,11 @@ class Attention(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin [num_tokens, rotary_dim / 2]
-    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        rows: SampledRows | None = None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim], or [len(rows), ...]
         """With `rope`, q and k are rotated here first: on a CPU together with the cache write, in one
-        pass."""
+        pass. With `rows` (a model's last layer, SampledRows), every row's K/V is written but only those
+        rows attend: the output has their rows, in their order."""
         meta = get_attention_metadata()
         fused = None
         if rope is not None:
@@ -138,6 +141,11 @@ class Attention(nn.Module):
             k, v = k.to(self.k_cache.dtype), v.to(self.k_cache.dtype)
             write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             k, v = k.to(q.dtype), v.to(q.dtype)
+        if rows is not None:
+            assert self.k_cache.numel(), "the sampled rows attend over the cache: it must be bound"
+            if not len(rows):
+                return q.new_empty((0, self.num_heads * self.head_dim))
+            q, k, v, meta = q[rows.indices], k[rows.indices], v[rows.indices], rows.meta
         out = get_attention_backend().forward(
             q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window
         )

@@ -25,6 +25,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # the rows the step samples from, where they are fewer than all (see SampledRows); None: every row
+    sampled: SampledRows | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -33,6 +35,25 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+@dataclass
+class SampledRows:
+    """The rows of a step whose hidden states are sampled from (each sequence's last one, or its last
+    1 + drafts), where they are fewer than the step's rows, as in every step with a prompt chunk.
+
+    Only those rows' outputs of the last decoder layer are ever read, so a model may cut the batch to them
+    in that layer once its keys and values are in the cache: attention for these queries only, then
+    o_proj, the MLP and the final norm on N rows instead of T (a prompt's other rows need only their K/V).
+    Each sequence's sampled rows are the last of its query rows, so `meta` is the same batch with every
+    sequence's queries cut to that suffix (sequences that sample nothing dropped): its attention reads the
+    sequence's keys, this step's included, from the cache."""
+
+    indices: torch.Tensor  # [N] int64: the rows, in the order logits are computed
+    meta: AttentionMetadata  # the batch of those N query rows
+
+    def __len__(self) -> int:
+        return sum(self.meta.query_lens_cpu)
 
 
 class AttentionBackend(Protocol):

@@ -35,6 +35,9 @@ class CausalLM(nn.Module):
     embedding_name: ClassVar[str] = "embed_tokens"
     # HF's default for a config.json without tie_word_embeddings (it differs by family)
     tie_word_embeddings_default: ClassVar[bool] = False
+    # whether the last stage's decoder cuts its last layer to the step's sampled rows where the forward
+    # context names them (AttentionMetadata.sampled): its output is then [len(rows), hidden], not [T, hidden]
+    cuts_to_sampled_rows: ClassVar[bool] = False
 
     def __init__(self, hf_config: Any, parallel: ParallelContext) -> None:
         super().__init__()

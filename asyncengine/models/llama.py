@@ -15,7 +15,7 @@ from torch import nn
 from asyncengine.cpu.amx import AmxWeight
 from asyncengine.cpu.quant_gemm import QuantWeight
 from asyncengine.layers.activation import ActAndMul
-from asyncengine.layers.attention import Attention
+from asyncengine.layers.attention import Attention, SampledRows, get_attention_metadata
 from asyncengine.layers.embedding import VocabParallelEmbedding
 from asyncengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from asyncengine.layers.norm import RMSNorm
@@ -87,12 +87,14 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, rotary_dim / 2]
         sin: torch.Tensor,
-    ) -> torch.Tensor:  # [T, hidden]
+        rows: SampledRows | None = None,  # the last layer's sampled rows: only they attend
+    ) -> torch.Tensor:  # [T, hidden], or [len(rows), hidden]
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))  # [T, H * D], [T, Hkv * D], [T, Hkv * D]
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(1)
             k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(1)
-        return self.o_proj(self.attn(q, k, v, rope=(cos, sin)))  # rotated there, with the cache write
+        out = self.attn(q, k, v, rope=(cos, sin), rows=rows)  # rotated there, with the cache write
+        return self.o_proj(out) if out.shape[0] else hidden.new_empty((0, hidden.shape[1]))
 
 
 class LlamaMLP(nn.Module):
@@ -138,13 +140,18 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # [T, hidden]; None before the first layer
         cos: torch.Tensor,
         sin: torch.Tensor,
+        rows: SampledRows | None = None,  # the model's last layer: carry on with these rows only
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # the residual add is deferred into the next norm: (h, r) -> norm(h + r), h + r
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.fused_add(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin)
+        hidden = self.self_attn(hidden, cos, sin, rows)
+        if rows is not None:
+            residual = residual[rows.indices]
+            if not len(rows):
+                return hidden, residual
         hidden, residual = self.post_attention_layernorm.fused_add(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -183,8 +190,16 @@ class LlamaModel(nn.Module):
             assert intermediate is not None, "a later stage needs the previous stage's tensors"
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         cos, sin = self.rotary_emb(positions, hidden.dtype)
-        for layer in self.layers.values():
-            hidden, residual = layer(hidden, residual, cos, sin)
+        # on the last stage, the last layer carries on with the sampled rows only (SampledRows)
+        rows = get_attention_metadata().sampled if self.norm is not None else None
+        layers = list(self.layers.values())
+        for i, layer in enumerate(layers):
+            hidden, residual = layer(hidden, residual, cos, sin, rows if i == len(layers) - 1 else None)
+        if rows is not None and not layers:  # a last stage without layers cuts here
+            hidden = hidden[rows.indices]
+            residual = residual[rows.indices] if residual is not None else None
+        if rows is not None and not len(rows):
+            return hidden
         if self.norm is None:
             # hidden + residual is the true stream; a zero residual keeps the pair's meaning if no layer ran
             return {
@@ -198,6 +213,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     intermediate_names = ("hidden_states", "residual")  # the residual add is deferred past the stage boundary
+    cuts_to_sampled_rows = True
     stacked_params = (
         (".qkv_proj.", ".q_proj.", "q"),
         (".qkv_proj.", ".k_proj.", "k"),

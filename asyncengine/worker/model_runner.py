@@ -21,7 +21,7 @@ from asyncengine.cpu.malloc import keep_freed_memory
 from asyncengine.cpu.prefault import Prefaulter, anonymous_buffer, huge_pages_enabled
 from asyncengine.cpu.prefault import enabled as prefault_enabled
 from asyncengine.cuda.graph_runner import GraphRunner, ModelInputs
-from asyncengine.layers.attention import Attention, AttentionMetadata, forward_context
+from asyncengine.layers.attention import Attention, AttentionMetadata, SampledRows, forward_context
 from asyncengine.layers.grammar_mask import apply_token_bitmask_, bitmask_from_bytes
 from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
 from asyncengine.layers.sampler import Sampler, SamplerOutput, SamplingRow
@@ -248,8 +248,9 @@ class ModelRunner:
         dev = self.device
         query_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start[1:])
+        slot_mapping = np.concatenate(slot_parts)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             query_start_loc=torch.from_numpy(query_start).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.from_numpy(tables).to(dev),
@@ -258,6 +259,8 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
+        if len(logits_indices) < offset and self.model.cuts_to_sampled_rows:
+            meta.sampled = self._sampled_rows(logits_indices, query_start, seq_lens, tables, slot_mapping)
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(pos_parts)).to(dev),
@@ -266,6 +269,35 @@ class ModelRunner:
             sampling_rows=rows,
             sampling_seqs=sampling_seqs,
         )
+
+    def _sampled_rows(
+        self,
+        logits_indices: list[int],  # each sequence's sampled rows: the last of its query rows
+        query_start: np.ndarray,  # [B + 1] int32
+        seq_lens: list[int],
+        tables: np.ndarray,  # [B, max_blocks] int32
+        slot_mapping: np.ndarray,  # [T] int64
+    ) -> SampledRows:
+        """The step's batch cut to the rows it samples from (AttentionMetadata.sampled)."""
+        seqs = np.searchsorted(query_start, logits_indices, side="right") - 1  # the sequence of each row
+        kept, counts = np.unique(seqs, return_counts=True)  # ascending, as the rows are
+        query_lens = counts.tolist()
+        kept_lens = [seq_lens[i] for i in kept.tolist()]
+        starts = np.zeros(len(kept) + 1, dtype=np.int32)
+        np.cumsum(counts, out=starts[1:])
+        indices = np.asarray(logits_indices, dtype=np.int64)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping[indices]).to(dev),
+            query_start_loc=torch.from_numpy(starts).to(dev),
+            seq_lens=torch.tensor(kept_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(tables[kept])).to(dev),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=kept_lens,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(kept_lens, default=0),
+        )
+        return SampledRows(torch.from_numpy(indices).to(dev), meta)
 
     # -- execution --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -302,7 +334,9 @@ class ModelRunner:
             return out
         if not model_input.sampling_rows:
             return SamplerOutput([], None) if sample else None
-        logits = self.model.compute_logits(out[model_input.logits_indices])  # [num_sampled, vocab]
+        # the model cut its last layer to the sampled rows already, where the step named them
+        hidden = out if meta.sampled is not None else out[model_input.logits_indices]
+        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
         if not sample:  # other TP ranks join compute_logits' all-gather but leave sampling to rank 0
             return None
         if grammar is not None and grammar[0]:
