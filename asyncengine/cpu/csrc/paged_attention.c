@@ -362,15 +362,25 @@ static inline __m512 hsum16x16(const __m512 d[16]) {
 #else
 #define NEXT_BLOCK_HINT _MM_HINT_T1
 #endif
+/* Only the next block's first key rows are prefetched (K and V each): the jump to a block at a random
+ * address is what the hardware prefetcher cannot guess, and from those rows on it streams the block itself.
+ * Prefetching every row cost load slots for lines on their way anyway: bfloat16 batch 64 x 256 / 16 x 1024 /
+ * 4 x 1024 keys in 64-token blocks, all rows 29.7 / 31.8 / 29.1 GB/s, the first 16 31.7 / 33.2 / 30.8, the
+ * first 8 33.2 / 34.7 / 32.5; 16-token blocks level (28.1 / 29.0 against 27.2 / 28.8), float32 level (AMD
+ * EPYC Zen 5, 2 threads). */
+#ifndef NEXT_BLOCK_ROWS
+#define NEXT_BLOCK_ROWS 8
+#endif
 
 /* One row's heads over n keys of one cache block, in two halves: scores = q.k and the online softmax over
  * them (rescaling acc); then acc += p.v (NAME##_values). Scores are laid out [hg / 16][sb][16]: a key's
  * dots with 16 heads are reduced together (hsum16x16) into one vector, and the softmax then works on 16
  * heads a vector, one key at a time. kb/vb: the block's first key at the run's first KV head.
  * k_next/v_next: the next block to prefetch (or NULL): a random address the hardware prefetcher cannot
- * guess. Its K rows are fetched one per key during the scores half, its V rows a share per head during
- * the values half, so the requests are spread over the whole block's math rather than bunched into its
- * first half (K and V both in the scores half: 2.04-2.12 -> 1.76-1.99 ms a layer at batch 64 x 256 keys
+ * guess. Its first NEXT_BLOCK_ROWS K rows are fetched one per key during the scores half, its V rows in
+ * the values half (a share per head of the block's rows, of which the first ones are fetched), so the
+ * requests are spread over the block's math rather than bunched into its first half (with every row
+ * fetched and 16-token blocks, K and V both in the scores half: 2.04-2.12 -> 1.76-1.99 ms a layer at batch 64 x 256 keys
  * and 16 x 1024 out of cache, 24 -> 28 GB/s). Into L2, not L1: a block's K and V (48 KiB at 12 heads of
  * 64 in bfloat16) are L1's size, and L1 holds this block (measured: 2.30 -> 2.25 ms a layer at batch 64).
  * A second block ahead instead of one measured no better. */
@@ -388,7 +398,7 @@ static inline __attribute__((always_inline)) void NAME##_dots(const QT *qf, floa
     for (int x = 0; x < hg; x++) koff[x] = (long)(x / group) * head_dim;                                \
     for (int t = 0; t < n; t++) {                                                                       \
         const KT *kt = kb + t * kv_stride;                                                              \
-        if (k_next)                                                                                     \
+        if (k_next && t < NEXT_BLOCK_ROWS)                                                              \
             for (long b = 0; b < (long)nkv * head_dim * (long)sizeof(KT); b += 64) {                     \
                 _mm_prefetch((const char *)(k_next + t * kv_stride) + b, NEXT_BLOCK_HINT);                \
             }                                                                                           \
@@ -501,7 +511,7 @@ static inline __attribute__((always_inline)) void NAME##_values_at(int R, float 
         nk = fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;                                            \
         const KT *vh = vb + kv * head_dim;                                                              \
         if (v_next) /* the next block's V rows, a share per head */                                     \
-            for (int t = x0 * n / hg; t < (x0 + nk * gs) * n / hg; t++)                                 \
+            for (int t = x0 * n / hg; t < (x0 + nk * gs) * n / hg && t < NEXT_BLOCK_ROWS; t++)         \
                 for (long b = 0; b < (long)nkv * head_dim * (long)sizeof(KT); b += 64)                  \
                     _mm_prefetch((const char *)(v_next + t * kv_stride) + b, NEXT_BLOCK_HINT);            \
         if (cap >= 8 && gs == 8)                                                                        \
