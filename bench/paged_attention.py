@@ -6,16 +6,15 @@
     python bench/paged_attention.py --heads 16 --kv-heads 4 --amx-ab   # grouped-query, AMX scores on / off
 
 One decode row per sequence (batch B, L keys each), 12 heads x head_dim 64 (the bench's medium model; other
-layouts with --heads / --kv-heads / --head-dim),
-block size 16, block tables scattered at random over the cache (as after a while of serving), the caches
-on the engine's pages (4 KiB; 2 MiB with ASYNCENGINE_CPU_KV_HUGEPAGES=1, cpu/prefault.py); every shape
-keeps 12 layers' K/V, cycled, so that each call reads from DRAM as a decode step does (batch 64 x 256
-keys: 600 MiB; a small batch's 12 layers fit in L3, as in its own decode step). Per shape: ms per layer,
-the K/V read rate, and that rate over the streaming-read rate measured in the same run (torch.sum over 1
-GiB). --shared also runs each shape with half of every table pointing at one prefix (read once per group
-of rows). --amx-ab runs every shape with the grouped-query AMX scores (csrc/paged_attention.c's
-amx_scores) on and off, alternately. The fastest of --repeat passes over the 12 layers. Writes
-bench/out/paged_attention.json.
+layouts with --heads / --kv-heads / --head-dim), blocks of 64 tokens (the CPU default; --block-size), block
+tables scattered at random over the cache (as after a while of serving), the caches on the engine's pages (4
+KiB; 2 MiB with ASYNCENGINE_CPU_KV_HUGEPAGES=1, cpu/prefault.py); every shape keeps 12 layers' K/V, cycled,
+so that each call reads from DRAM as a decode step does (batch 64 x 256 keys: 600 MiB; a small batch's 12
+layers fit in L3, as in its own decode step). Per shape: ms per layer, the K/V read rate, and that rate over
+the streaming-read rate measured in the same run (torch.sum over 1 GiB). --shared also runs each shape with
+half of every table pointing at one prefix (read once per group of rows). --amx-ab runs every shape with the
+grouped-query AMX scores (csrc/paged_attention.c's amx_scores) on and off, alternately. The fastest of
+--repeat passes over the 12 layers. Writes bench/out/paged_attention.json.
 """
 
 from __future__ import annotations
@@ -32,12 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT, STREAM_BYTES, load_line, machine_info, stream_read_seconds, table, write_json  # noqa: E402
 
 import asyncengine  # noqa: E402, F401  (the installed package first)
+from asyncengine.config import CPU_BLOCK_SIZE  # noqa: E402
 from asyncengine.cpu import amx as cpu_amx  # noqa: E402
 from asyncengine.cpu.attention import load_kernel_library, paged_attention  # noqa: E402
 from asyncengine.cpu.prefault import huge_pages_enabled  # noqa: E402
 from asyncengine.worker.model_runner import zeros  # noqa: E402
 
-BLOCK, LAYERS = 16, 12
+LAYERS = 12
 CPU = torch.device("cpu")
 
 
@@ -48,7 +48,14 @@ class Heads(NamedTuple):
 
 
 def measure(
-    batch: int, keys: int, shared: bool, repeat: int, dtype: torch.dtype, layout: Heads, amx: bool | None
+    batch: int,
+    keys: int,
+    shared: bool,
+    repeat: int,
+    dtype: torch.dtype,
+    layout: Heads,
+    amx: bool | None,
+    block: int = CPU_BLOCK_SIZE,
 ) -> dict[str, Any]:
     """`amx`: the grouped-query AMX scores on or off for this run (None: as loaded)."""
     heads, kv_heads, head_dim = layout
@@ -58,9 +65,9 @@ def measure(
         lib.paged_attention_use_amx(int(amx))
     kernel = {torch.bfloat16: "paged_attention_bf16", torch.float32: "paged_attention_f32"}[dtype]
     gen = torch.Generator().manual_seed(0)
-    per_seq = -(-keys // BLOCK)
+    per_seq = -(-keys // block)
     num_blocks = batch * per_seq + 1
-    shape = (num_blocks, BLOCK, kv_heads, head_dim)
+    shape = (num_blocks, block, kv_heads, head_dim)
     huge = huge_pages_enabled()  # the pages the engine's cache is on (cpu/prefault.py)
     caches = [
         tuple(zeros(shape, dtype, CPU, huge).copy_(torch.randn(shape, generator=gen)) for _ in range(2))
@@ -88,7 +95,7 @@ def measure(
             layer(k_cache, v_cache)
         best = min(best, time.perf_counter() - t0)
     distinct = len(torch.unique(tables)) if shared else batch * per_seq
-    read = distinct * BLOCK * kv_heads * head_dim * 2 * dtype.itemsize * LAYERS  # K and V bytes read
+    read = distinct * block * kv_heads * head_dim * 2 * dtype.itemsize * LAYERS  # K and V bytes read
     return {"ms_per_layer": best / LAYERS * 1e3, "gb_s": read / best / 1e9}
 
 
@@ -104,6 +111,7 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (one KV head each)")
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=CPU_BLOCK_SIZE, help="tokens per KV-cache block")
     p.add_argument(
         "--amx-ab", action="store_true", help="each shape with the AMX scores on and off, alternately"
     )
@@ -122,7 +130,7 @@ def main() -> int:
             batch, keys = (int(v) for v in shape.split("x"))
             for shared in (False, True) if args.shared else (False,):
                 for amx in modes if i % 2 == 0 else modes[::-1]:  # alternated: the machine is shared
-                    r = measure(batch, keys, shared, args.repeat, dtype, layout, amx)
+                    r = measure(batch, keys, shared, args.repeat, dtype, layout, amx, args.block_size)
                     r |= {"batch": batch, "keys": keys, "shared": shared, "amx": amx}
                     results.append(r)
                     label = f"{batch} x {keys}" + (" shared half" if shared else "")
@@ -134,7 +142,7 @@ def main() -> int:
             lib.paged_attention_use_amx(int(cpu_amx.allowed()))
     print(
         f"\n{args.dtype}, {layout.heads} heads over {layout.kv_heads} KV heads x {layout.head_dim}, block "
-        f"{BLOCK}, {args.threads} threads; streaming read {stream:.1f} GB/s; {load_line(info)}"
+        f"{args.block_size}, {args.threads} threads; streaming read {stream:.1f} GB/s; {load_line(info)}"
     )
     print(table(["batch x keys", "ms / layer", "K/V GB/s", "of streaming"], rows))
     write_json(args.out, {"machine": info, "stream_gb_s": stream, "results": results})
