@@ -380,8 +380,8 @@ static inline __m512 hsum16x16(const __m512 d[16]) {
  * guess. Its first NEXT_BLOCK_ROWS K rows are fetched one per key during the scores half, its V rows in
  * the values half (a share per head of the block's rows, of which the first ones are fetched), so the
  * requests are spread over the block's math rather than bunched into its first half (with every row
- * fetched and 16-token blocks, K and V both in the scores half: 2.04-2.12 -> 1.76-1.99 ms a layer at batch 64 x 256 keys
- * and 16 x 1024 out of cache, 24 -> 28 GB/s). Into L2, not L1: a block's K and V (48 KiB at 12 heads of
+ * fetched and 16-token blocks, against K and V both in the scores half: 2.04-2.12 -> 1.76-1.99 ms a
+ * layer at batch 64 x 256 keys and 16 x 1024 out of cache, 24 -> 28 GB/s). Into L2, not L1: a block's K and V (48 KiB at 12 heads of
  * 64 in bfloat16) are L1's size, and L1 holds this block (measured: 2.30 -> 2.25 ms a layer at batch 64).
  * A second block ahead instead of one measured no better. */
 #define DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32)                                                 \
@@ -458,11 +458,12 @@ static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, f
         _mm512_mask_storeu_ps(s + c0, hm, _mm512_add_ps(sv, sum));                                      \
     }                                                                                                   \
 }                                                                                                       \
-/* acc += p.v for R = 1, 2 or 4 rows and the GS heads x0 .. x0 + GS - 1 of one KV head (V rows at vh) over the \
- * same block, 32 dims at a time: each V chunk is loaded and widened once for all of them (VLOAD32: two     \
- * float32 vectors, lo and hi, in acc's layout; ACC_INDEX maps a dim to its acc slot), so that the heads of  \
- * a grouped-query KV head share its widening (R x GS <= 8: 16 accumulators). Every head of every row adds  \
- * the same products in the same order whatever R and GS are. */                                        \
+/* acc += p.v for R = 1, 2 or 4 rows and the heads x0 .. x0 + NK x GS - 1: NK KV heads side by side (V rows \
+ * at vh, the next KV head head_dim further), GS heads each, over the same block, 32 dims at a time: each V \
+ * chunk is loaded and widened once for all of its heads (VLOAD32: two float32 vectors, lo and hi, in acc's \
+ * layout; ACC_INDEX maps a dim to its acc slot), so that the heads of a grouped-query KV head share its    \
+ * widening, and R x NK x GS <= 8 (16 accumulators) keep that many independent FMA chains in flight. Every  \
+ * head of every row adds the same products in the same order whatever R, NK and GS are. */               \
 static inline __attribute__((always_inline)) void NAME##_values_gs(int R, int NK, int GS, int x0, float *const *acc, \
                                  const float *const *scores, const KT *vh, int n, int head_dim, int width, \
                                  int sb, long kv_stride) {                                              \
