@@ -190,14 +190,12 @@ class LlamaModel(nn.Module):
             assert intermediate is not None, "a later stage needs the previous stage's tensors"
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         cos, sin = self.rotary_emb(positions, hidden.dtype)
-        # on the last stage, the last layer carries on with the sampled rows only (SampledRows)
+        # on the last stage, the last layer carries on with the sampled rows only (SampledRows); every
+        # stage owns at least one layer (config.layer_range)
         rows = get_attention_metadata().sampled if self.norm is not None else None
         layers = list(self.layers.values())
         for i, layer in enumerate(layers):
             hidden, residual = layer(hidden, residual, cos, sin, rows if i == len(layers) - 1 else None)
-        if rows is not None and not layers:  # a last stage without layers cuts here
-            hidden = hidden[rows.indices]
-            residual = residual[rows.indices] if residual is not None else None
         if rows is not None and not len(rows):
             return hidden
         if self.norm is None:

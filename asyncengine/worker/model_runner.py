@@ -215,9 +215,10 @@ class ModelRunner:
         logits_indices: list[int] = []
         rows: list[SamplingRow] = []
         sampling_seqs: list[SeqState] = []
+        sampled_lens: dict[int, int] = {}  # batch index -> rows sampled (its last ones), where any are
         max_blocks = 1
         offset = 0
-        for state, num, drafts in zip(batch.seqs, batch.num_scheduled, batch.num_drafts):
+        for b, (state, num, drafts) in enumerate(zip(batch.seqs, batch.num_scheduled, batch.num_drafts)):
             start, end = state.num_computed_tokens, state.num_computed_tokens + num
             ids.extend(state.token_ids[start:end])
             positions = np.arange(start, end, dtype=np.int64)
@@ -242,6 +243,7 @@ class ModelRunner:
                     logits_indices.append(i)
                     rows.append(row)
                     sampling_seqs.append(state)
+                sampled_lens[b] = drafts + 1
         tables = np.zeros((len(batch.seqs), max_blocks), dtype=np.int32)
         for i, state in enumerate(batch.seqs):
             tables[i, : len(state.block_ids)] = state.block_ids
@@ -260,7 +262,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
         if len(logits_indices) < offset and self.model.cuts_to_sampled_rows:
-            meta.sampled = self._sampled_rows(logits_indices, query_start, seq_lens, tables, slot_mapping)
+            meta.sampled = self._sampled_rows(logits_indices, sampled_lens, seq_lens, tables, slot_mapping)
         return ModelInput(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(pos_parts)).to(dev),
@@ -272,19 +274,18 @@ class ModelRunner:
 
     def _sampled_rows(
         self,
-        logits_indices: list[int],  # each sequence's sampled rows: the last of its query rows
-        query_start: np.ndarray,  # [B + 1] int32
+        logits_indices: list[int],  # each sampling sequence's last rows, in batch order
+        sampled_lens: dict[int, int],  # batch index of each sampling sequence -> its sampled rows
         seq_lens: list[int],
         tables: np.ndarray,  # [B, max_blocks] int32
         slot_mapping: np.ndarray,  # [T] int64
     ) -> SampledRows:
         """The step's batch cut to the rows it samples from (AttentionMetadata.sampled)."""
-        seqs = np.searchsorted(query_start, logits_indices, side="right") - 1  # the sequence of each row
-        kept, counts = np.unique(seqs, return_counts=True)  # ascending, as the rows are
-        query_lens = counts.tolist()
-        kept_lens = [seq_lens[i] for i in kept.tolist()]
+        kept = list(sampled_lens)
+        query_lens = list(sampled_lens.values())
+        kept_lens = [seq_lens[i] for i in kept]
         starts = np.zeros(len(kept) + 1, dtype=np.int32)
-        np.cumsum(counts, out=starts[1:])
+        np.cumsum(query_lens, out=starts[1:])
         indices = np.asarray(logits_indices, dtype=np.int64)
         dev = self.device
         meta = AttentionMetadata(
