@@ -20,9 +20,9 @@
  * keys are in cache, as a shared prefix's are), reduces a key's q.k dots with 16 heads together in one
  * shuffle tree, runs the online softmax on 16 heads a vector with a polynomial exp (Cephes' expf, ~1 ulp)
  * instead of one libm expf call per key, splits each 64-byte bf16 V load into its even and odd dims with
- * two ALU ops, and prefetches the next cache block: 2-2.5x the portable one's speed (the shuffle tree,
- * the softmax layout and the V split took a bfloat16 layer at batch 64 from 2.47 to 2.32 ms cold and from
- * 0.87 to 0.74 ms with the keys in cache).
+ * two ALU ops, and prefetches a pass ahead (a block's V during its q.k, the next block during p.v):
+ * 2-2.5x the portable one's speed (the shuffle tree, the softmax layout and the V split took a bfloat16
+ * layer at batch 64 from 2.47 to 2.32 ms cold and from 0.87 to 0.74 ms with the keys in cache).
  * Grouped-query attention (several heads a KV head) has that many times the arithmetic per byte of K/V and
  * had made the kernel compute-bound (16 heads over 4 KV heads: 18 GB/s with K/V in cache against ~50 for
  * 12 full heads): the p.v pass widens a V chunk once for all the heads of its KV head, and with a
@@ -184,9 +184,9 @@ static void pack_qt(uint16_t *qt, const uint16_t *q, int hg, int group, int head
             }
 }
 /* scores [hg / 16][sb][16] (scaled) of n <= sb keys from kb (the block's first key at the run's first KV
- * head; rows kv_stride elements apart, whole 16-key tiles readable) against the packed query qt; the next
- * block's key rows (row_bytes each from k_next, NULL: none) are prefetched between the tiles. */
-static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, const char *k_next, float *scores,
+ * head; rows kv_stride elements apart, whole 16-key tiles readable) against the packed query qt; the rows
+ * at pf (this block's V rows, row_bytes each; NULL: none) are prefetched between the tiles. */
+static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, const char *pf, float *scores,
                               int n, int hg, int group, int head_dim, int sb, long kv_stride, long row_bytes,
                               float scale) {
     const __m512 sc = _mm512_set1_ps(scale);
@@ -212,10 +212,10 @@ static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, const char
                         _tile_dpbf16ps(0, 4, 6);
                     }
                 }
-            if (k_next && c0 == 0)
+            if (pf && c0 == 0)
                 for (int t = t0; t < n && t < t0 + 16; t++)
                     for (long l = 0; l < row_bytes; l += 64)
-                        _mm_prefetch(k_next + t * kv_stride * 2 + l, _MM_HINT_T1);
+                        _mm_prefetch(pf + t * kv_stride * 2 + l, _MM_HINT_T1);
             _tile_stored(0, out + t0 * 16, 64);
             for (int t = t0; t < n && t < t0 + 16; t++)
                 _mm512_store_ps(out + t * 16, _mm512_mul_ps(_mm512_load_ps(out + t * 16), sc));
@@ -235,10 +235,10 @@ static inline int qt_tiles(int hg, int group, int head_dim) { (void)hg; (void)gr
 static inline void pack_qt(uint16_t *qt, const uint16_t *q, int hg, int group, int head_dim) {
     (void)qt; (void)q; (void)hg; (void)group; (void)head_dim;
 }
-static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, const char *k_next, float *scores,
+static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, const char *pf, float *scores,
                               int n, int hg, int group, int head_dim, int sb, long kv_stride, long row_bytes,
                               float scale) {
-    (void)qt; (void)kb; (void)k_next; (void)scores; (void)n; (void)hg; (void)group; (void)head_dim; (void)sb;
+    (void)qt; (void)kb; (void)pf; (void)scores; (void)n; (void)hg; (void)group; (void)head_dim; (void)sb;
     (void)kv_stride; (void)row_bytes; (void)scale;
 }
 /* clang-format on */
@@ -354,36 +354,58 @@ static inline __m512 hsum16x16(const __m512 d[16]) {
                          _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* Where the next block's prefetches go: L2 (below), or L1 on AMD CPUs (cpu/build.py defines
- * ASYNCENGINE_AMD_CPU there). Measured on an AMD EPYC (Zen 5, 48 KiB L1), bfloat16, batch 64 x 256 keys out
- * of cache: one thread 16.5-16.8 -> 19.2-20.3 GB/s, two threads 26.6-29.4 -> 27.7-30.5 (three runs). */
+/* Where the prefetches go: L2 (below), or L1 on AMD CPUs (cpu/build.py defines ASYNCENGINE_AMD_CPU there).
+ * Measured on an AMD EPYC (Zen 5, 48 KiB L1), bfloat16, batch 64 x 256 keys out of cache: one thread
+ * 16.5-16.8 -> 19.2-20.3 GB/s, two threads 26.6-29.4 -> 27.7-30.5 (three runs); with the pass-ahead
+ * prefetch below, L1 still (bfloat16 64 x 256 / 16 x 1024 keys: 40.1 / 41.7 GB/s into L1, 38.9 / 40.8 into
+ * L2; float32 level). Not measured with it on an Intel CPU, where L2 had measured better before. */
 #ifdef ASYNCENGINE_AMD_CPU
-#define NEXT_BLOCK_HINT _MM_HINT_T0
+#define PREFETCH_HINT _MM_HINT_T0
 #else
-#define NEXT_BLOCK_HINT _MM_HINT_T1
+#define PREFETCH_HINT _MM_HINT_T1
 #endif
-/* Only the next block's first key rows are prefetched (K and V each): the jump to a block at a random
- * address is what the hardware prefetcher cannot guess, and from those rows on it streams the block itself.
- * Prefetching every row cost load slots for lines on their way anyway: bfloat16 batch 64 x 256 / 16 x 1024 /
- * 4 x 1024 keys in 64-token blocks, all rows 29.7 / 31.8 / 29.1 GB/s, the first 16 31.7 / 33.2 / 30.8, the
- * first 8 33.2 / 34.7 / 32.5; 16-token blocks level (28.1 / 29.0 against 27.2 / 28.8), float32 level (AMD
- * EPYC Zen 5, 2 threads). */
+/* Of the next block's K only the first rows are prefetched: the jump to a block at a random address is what
+ * the hardware prefetcher cannot guess, and from those rows on it streams the block itself, which the
+ * scores pass reads row after row. Prefetching every row cost load slots for lines on their way anyway
+ * (bfloat16 batch 64 x 256 / 16 x 1024 / 4 x 1024 keys in 64-token blocks, all rows 29.7 / 31.8 / 29.1
+ * GB/s, the first 16 31.7 / 33.2 / 30.8, the first 8 33.2 / 34.7 / 32.5). */
 #ifndef NEXT_BLOCK_ROWS
 #define NEXT_BLOCK_ROWS 8
 #endif
+
+/* Rows of the cache to prefetch a few lines at a time from inside a loop, so that the requests are spread
+ * over that loop's arithmetic: `rows` rows of row_bytes, `stride` bytes apart, `per` lines a step. */
+typedef struct {
+    const char *p;
+    long stride;
+    int row_lines, rows, row, line, per;
+} RowPrefetch;
+static inline RowPrefetch row_prefetch(const void *p, long stride, long row_bytes, int rows, int steps) {
+    const int row_lines = (int)((row_bytes + 63) / 64), lines = p ? rows * row_lines : 0;
+    return (RowPrefetch){(const char *)p, stride, row_lines, p ? rows : 0, 0, 0,
+                         steps > 0 ? (lines + steps - 1) / steps : lines};
+}
+static inline __attribute__((always_inline)) void row_prefetch_step(RowPrefetch *f) {
+    for (int i = 0; i < f->per && f->row < f->rows; i++) {
+        _mm_prefetch(f->p + f->row * f->stride + (long)f->line * 64, PREFETCH_HINT);
+        if (++f->line == f->row_lines) { f->line = 0; f->row++; }
+    }
+}
 
 /* One row's heads over n keys of one cache block, in two halves: scores = q.k and the online softmax over
  * them (rescaling acc); then acc += p.v (NAME##_values). Scores are laid out [hg / 16][sb][16]: a key's
  * dots with 16 heads are reduced together (hsum16x16) into one vector, and the softmax then works on 16
  * heads a vector, one key at a time. kb/vb: the block's first key at the run's first KV head.
- * k_next/v_next: the next block to prefetch (or NULL): a random address the hardware prefetcher cannot
- * guess. Its first NEXT_BLOCK_ROWS K rows are fetched one per key during the scores half, its V rows in
- * the values half (a share per head of the block's rows, of which the first ones are fetched), so the
- * requests are spread over the block's math rather than bunched into its first half (with every row
- * fetched and 16-token blocks, against K and V both in the scores half: 2.04-2.12 -> 1.76-1.99 ms a
- * layer at batch 64 x 256 keys and 16 x 1024 out of cache, 24 -> 28 GB/s). Into L2, not L1: a block's K and V (48 KiB at 12 heads of
- * 64 in bfloat16) are L1's size, and L1 holds this block (measured: 2.30 -> 2.25 ms a layer at batch 64).
- * A second block ahead instead of one measured no better. */
+ * Prefetch, one pass ahead: the scores pass reads K row after row (a stream the hardware prefetcher
+ * follows) while it fetches this block's V rows, one row per key (v_here, or NULL where they are in cache
+ * already); the values pass reads V a 32-dim column at a time, all rows per column, from L1/L2 then, while
+ * it fetches the next block's first K rows (k_next, or NULL), a few lines per step. Before, each half
+ * fetched the next block's first rows (K in the scores half, V in the values half), and the values pass's
+ * column walk met V in DRAM: old -> new, 64-token blocks, 2 threads (AMD EPYC Zen 5, tables scattered at
+ * random, 12 layers cycled), bfloat16 64 x 256 / 16 x 1024 / 4 x 1024 / 64 x 64 keys 35.4 / 36.2 / 39.9 /
+ * 39.2 -> 42.8 / 43.1 / 44.7 / 44.7 GB/s; 16 heads over 4 KV heads 24.1 / 23.6 -> 32.7 / 32.2; 8 heads of
+ * 128 over 2 KV heads 23.3 / 24.3 -> 31.0 / 32.2; 16-token blocks 28.6 / 29.5 -> 33.0 / 33.8; float32
+ * 39.3 / 40.2 / 41.0 -> 41.3 / 41.5 / 43.2. */
 #define DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32)                                                 \
 /* scores = q.k on the vector units: called with a constant head_dim for the usual 64 and 128, so that \
  * the dots and the loop over 16 heads unroll into straight-line code. Generic, each head cost a        \
@@ -391,17 +413,16 @@ static inline __m512 hsum16x16(const __m512 d[16]) {
  * L2, one thread, 2 rows of 256 keys: 59 -> 50.5 us; from DRAM (bench/paged_attention.py, 2 threads)   \
  * 20.1-20.9 -> 21.8-23.1 GB/s, float32 22.9 -> 25-26. The same products in the same order.        */ \
 static inline __attribute__((always_inline)) void NAME##_dots(const QT *qf, float *scores, const KT *kb, \
-                                 const KT *k_next, int n, int nkv, int group, int head_dim, int qw,     \
+                                 const KT *v_here, int n, int nkv, int group, int head_dim, int qw,     \
                                  int sb, long kv_stride, float scale) {                                 \
     const int hg = nkv * group;                                                                         \
     long koff[hg]; /* head x's offset in a key row */                                                   \
     for (int x = 0; x < hg; x++) koff[x] = (long)(x / group) * head_dim;                                \
     for (int t = 0; t < n; t++) {                                                                       \
         const KT *kt = kb + t * kv_stride;                                                              \
-        if (k_next && t < NEXT_BLOCK_ROWS)                                                              \
-            for (long b = 0; b < (long)nkv * head_dim * (long)sizeof(KT); b += 64) {                     \
-                _mm_prefetch((const char *)(k_next + t * kv_stride) + b, NEXT_BLOCK_HINT);                \
-            }                                                                                           \
+        if (v_here) /* this block's V row t, for the values pass */                                     \
+            for (long b = 0; b < (long)nkv * head_dim * (long)sizeof(KT); b += 64)                      \
+                _mm_prefetch((const char *)(v_here + t * kv_stride) + b, PREFETCH_HINT);                \
         for (int c0 = 0; c0 < hg; c0 += 16) { /* 16 heads' dots with key t, reduced together */        \
             __m512 d[16];                                                                               \
             _Pragma("GCC unroll 16")                                                                    \
@@ -413,19 +434,19 @@ static inline __attribute__((always_inline)) void NAME##_dots(const QT *qf, floa
     }                                                                                                   \
 }                                                                                                       \
 static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, float *scores,             \
-                                 const KT *kb, const KT *k_next, const uint16_t *qt, int n, int nkv,      \
+                                 const KT *kb, const KT *v_here, const uint16_t *qt, int n, int nkv,      \
                                  int group, int head_dim, int width, int qw, int sb, long kv_stride,      \
                                  float scale) {                                                         \
     const int hg = nkv * group;                                                                         \
     if (qt) /* on AMX tiles (amx_scores): the heads of a KV head share its key rows */                   \
-        amx_scores(qt, (const uint16_t *)kb, (const char *)k_next, scores, n, hg, group, head_dim, sb,   \
+        amx_scores(qt, (const uint16_t *)kb, (const char *)v_here, scores, n, hg, group, head_dim, sb,   \
                    kv_stride, (long)nkv * head_dim * (long)sizeof(KT), scale);                          \
     else if (head_dim == 64)                                                                            \
-        NAME##_dots(qf, scores, kb, k_next, n, nkv, group, 64, qw, sb, kv_stride, scale);                \
+        NAME##_dots(qf, scores, kb, v_here, n, nkv, group, 64, qw, sb, kv_stride, scale);                \
     else if (head_dim == 128)                                                                           \
-        NAME##_dots(qf, scores, kb, k_next, n, nkv, group, 128, qw, sb, kv_stride, scale);               \
+        NAME##_dots(qf, scores, kb, v_here, n, nkv, group, 128, qw, sb, kv_stride, scale);               \
     else                                                                                                \
-        NAME##_dots(qf, scores, kb, k_next, n, nkv, group, head_dim, qw, sb, kv_stride, scale);          \
+        NAME##_dots(qf, scores, kb, v_here, n, nkv, group, head_dim, qw, sb, kv_stride, scale);          \
     for (int c0 = 0; c0 < hg; c0 += 16) { /* online softmax over this block, 16 heads a vector */       \
         const __mmask16 hm = mask_upto(hg - c0);                                                        \
         float *sc = scores + c0 * sb;                                                                   \
@@ -463,10 +484,11 @@ static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, f
  * chunk is loaded and widened once for all of its heads (VLOAD32: two float32 vectors, lo and hi, in acc's \
  * layout; ACC_INDEX maps a dim to its acc slot), so that the heads of a grouped-query KV head share its    \
  * widening, and R x NK x GS <= 8 (16 accumulators) keep that many independent FMA chains in flight. Every  \
- * head of every row adds the same products in the same order whatever R, NK and GS are. */               \
+ * head of every row adds the same products in the same order whatever R, NK and GS are. pf: prefetches  \
+ * issued a step per key and chunk. */                                                                  \
 static inline __attribute__((always_inline)) void NAME##_values_gs(int R, int NK, int GS, int x0, float *const *acc, \
                                  const float *const *scores, const KT *vh, int n, int head_dim, int width, \
-                                 int sb, long kv_stride) {                                              \
+                                 int sb, long kv_stride, RowPrefetch *pf) {                             \
     for (int j = 0; j < width; j += 32) {                                                               \
         __m512 lo[8], hi[8]; /* [(r * NK + k) * GS + g] */                                              \
         for (int r = 0; r < R; r++)                                                                     \
@@ -476,7 +498,8 @@ static inline __attribute__((always_inline)) void NAME##_values_gs(int R, int NK
                     lo[(r * NK + k) * GS + g] = _mm512_load_ps(acc[r] + o);                             \
                     hi[(r * NK + k) * GS + g] = _mm512_load_ps(acc[r] + o + 16);                        \
                 }                                                                                       \
-        for (int t = 0; t < n; t++)                                                                     \
+        for (int t = 0; t < n; t++) {                                                                   \
+            row_prefetch_step(pf);                                                                      \
             for (int k = 0; k < NK; k++) {                                                              \
                 __m512 vl, vh2;                                                                         \
                 VLOAD32(vh + t * kv_stride + (long)k * head_dim + j, head_dim - j, &vl, &vh2);          \
@@ -488,6 +511,7 @@ static inline __attribute__((always_inline)) void NAME##_values_gs(int R, int NK
                         hi[a] = _mm512_fmadd_ps(p, vh2, hi[a]);                                         \
                     }                                                                                   \
             }                                                                                           \
+        }                                                                                               \
         for (int r = 0; r < R; r++)                                                                     \
             for (int k = 0; k < NK; k++)                                                                \
                 for (int g = 0; g < GS; g++) {                                                          \
@@ -499,11 +523,16 @@ static inline __attribute__((always_inline)) void NAME##_values_gs(int R, int NK
 }                                                                                                       \
 /* acc += p.v for R = 1, 2 or 4 rows over the same block, the heads of each KV head in runs of up to 8 / R \
  * (measured with 16 heads over 4 KV heads: ~3x the arithmetic per byte of K/V of 12 full heads, and the \
- * widening of V repeated per head had made the kernel compute-bound). */                              \
+ * widening of V repeated per head had made the kernel compute-bound). k_next: the next block, whose      \
+ * first NEXT_BLOCK_ROWS K rows are fetched over the pass (NULL: none). */                              \
 static inline __attribute__((always_inline)) void NAME##_values_at(int R, float *const *acc, const float *const *scores, const KT *vb, int n, \
                                  int nkv, int group, int head_dim, int width, int sb, long kv_stride,     \
-                                 const KT *v_next) {                                                    \
+                                 const KT *k_next) {                                                    \
     const int hg = nkv * group, cap = 8 / R;                                                            \
+    /* steps: the fewest the pass takes (runs of at most cap heads), so the rows are all asked for */   \
+    const int steps = n * ((width + 31) / 32) * ((hg + cap - 1) / cap);                                 \
+    RowPrefetch pf = row_prefetch(k_next, kv_stride * (long)sizeof(KT), (long)nkv * head_dim * (long)sizeof(KT),\
+                                  NEXT_BLOCK_ROWS, steps);                                              \
     for (int x0 = 0, gs, nk; x0 < hg; x0 += nk * gs) {                                                  \
         const int kv = x0 / group, left = (kv + 1) * group - x0; /* this KV head's heads from x0 */     \
         gs = cap >= 8 && left >= 8 ? 8 : cap >= 4 && left >= 4 ? 4 : cap >= 2 && left >= 2 ? 2 : 1;     \
@@ -511,43 +540,39 @@ static inline __attribute__((always_inline)) void NAME##_values_at(int R, float 
         const int fit = gs == group ? (nkv - kv < cap / gs ? nkv - kv : cap / gs) : 1;                   \
         nk = fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;                                            \
         const KT *vh = vb + kv * head_dim;                                                              \
-        if (v_next) /* the next block's V rows, a share per head */                                     \
-            for (int t = x0 * n / hg; t < (x0 + nk * gs) * n / hg && t < NEXT_BLOCK_ROWS; t++)         \
-                for (long b = 0; b < (long)nkv * head_dim * (long)sizeof(KT); b += 64)                  \
-                    _mm_prefetch((const char *)(v_next + t * kv_stride) + b, NEXT_BLOCK_HINT);            \
         if (cap >= 8 && gs == 8)                                                                        \
-            NAME##_values_gs(R, 1, 8, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+            NAME##_values_gs(R, 1, 8, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
         else if (cap >= 8 && gs == 4 && nk == 2)                                                        \
-            NAME##_values_gs(R, 2, 4, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+            NAME##_values_gs(R, 2, 4, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
         else if (cap >= 4 && gs == 4)                                                                   \
-            NAME##_values_gs(R, 1, 4, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+            NAME##_values_gs(R, 1, 4, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
         else if (cap >= 8 && gs == 2 && nk == 4)                                                        \
-            NAME##_values_gs(R, 4, 2, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+            NAME##_values_gs(R, 4, 2, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
         else if (cap >= 4 && gs == 2 && nk == 2)                                                        \
-            NAME##_values_gs(R, 2, 2, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+            NAME##_values_gs(R, 2, 2, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
         else if (cap >= 2 && gs == 2)                                                                   \
-            NAME##_values_gs(R, 1, 2, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+            NAME##_values_gs(R, 1, 2, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
         else if (cap >= 8 && nk == 8)                                                                   \
-            NAME##_values_gs(R, 8, 1, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+            NAME##_values_gs(R, 8, 1, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
         else if (cap >= 4 && nk == 4)                                                                   \
-            NAME##_values_gs(R, 4, 1, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+            NAME##_values_gs(R, 4, 1, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
         else if (cap >= 2 && nk == 2)                                                                   \
-            NAME##_values_gs(R, 2, 1, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+            NAME##_values_gs(R, 2, 1, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
         else                                                                                            \
-            NAME##_values_gs(R, 1, 1, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride);          \
+            NAME##_values_gs(R, 1, 1, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
     }                                                                                                   \
 }                                                                                                       \
 /* acc += p.v (NAME##_values_at) with a constant head_dim for the usual 64 and 128, as the dots: the V loads' \
  * masks and the loop over 32-dim chunks then fold away. The same products in the same order. */       \
 static inline __attribute__((always_inline)) void NAME##_values(int R, float *const *acc, const float *const *scores, const KT *vb, int n, \
                                  int nkv, int group, int head_dim, int width, int sb, long kv_stride,     \
-                                 const KT *v_next) {                                                    \
+                                 const KT *k_next) {                                                    \
     if (head_dim == 64)                                                                                 \
-        NAME##_values_at(R, acc, scores, vb, n, nkv, group, 64, 64, sb, kv_stride, v_next);              \
+        NAME##_values_at(R, acc, scores, vb, n, nkv, group, 64, 64, sb, kv_stride, k_next);              \
     else if (head_dim == 128)                                                                           \
-        NAME##_values_at(R, acc, scores, vb, n, nkv, group, 128, 128, sb, kv_stride, v_next);            \
+        NAME##_values_at(R, acc, scores, vb, n, nkv, group, 128, 128, sb, kv_stride, k_next);            \
     else                                                                                                \
-        NAME##_values_at(R, acc, scores, vb, n, nkv, group, head_dim, width, sb, kv_stride, v_next);     \
+        NAME##_values_at(R, acc, scores, vb, n, nkv, group, head_dim, width, sb, kv_stride, k_next);     \
 }
 
 /* Long rows are split at fixed key positions, every SEG_KEYS keys (rounded to whole blocks): each
@@ -738,22 +763,21 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                         const int j = j0 + r;                                                           \
                         const RowState st = row_state(buf, row_floats, j, max_hg, width);               \
                         QT *qf = (QT *)st.q; float *acc = st.acc, *m = st.m, *s = st.s;                 \
-                        const int pf = j == 0 && next >= 0;                                             \
                         accs[r] = acc; scs[r] = scores + (size_t)r * max_hg16 * sb;                       \
-                        NAME##_scores(qf, acc, m, s, scs[r], k_cache + base, pf ? k_cache + next : NULL, \
+                        NAME##_scores(qf, acc, m, s, scs[r], k_cache + base, j == 0 ? v_cache + base : NULL, \
                                       amx ? st.qt : NULL, block_size, nkv, group, head_dim, width, qw, sb, \
                                       kv_stride, scale);                                                \
                     }                                                                                   \
-                    const KT *vpf = j0 == 0 && next >= 0 ? v_cache + next : NULL; /* by the first call */ \
+                    const KT *kpf = j0 == 0 && next >= 0 ? k_cache + next : NULL; /* by the first call */ \
                     if (rows == 4)                                                                      \
                         NAME##_values(4, accs, (const float *const *)scs, v_cache + base, block_size, nkv, group, \
-                                      head_dim, width, sb, kv_stride, vpf);                             \
+                                      head_dim, width, sb, kv_stride, kpf);                             \
                     if (rows == 2 || rows == 3)                                                         \
                         NAME##_values(2, accs, (const float *const *)scs, v_cache + base, block_size, nkv, group, \
-                                      head_dim, width, sb, kv_stride, vpf);                             \
+                                      head_dim, width, sb, kv_stride, kpf);                             \
                     if (rows == 1 || rows == 3)                                                         \
                         NAME##_values(1, accs + rows - 1, (const float *const *)scs + rows - 1, v_cache + base, block_size, \
-                                      nkv, group, head_dim, width, sb, kv_stride, rows == 1 ? vpf : NULL); \
+                                      nkv, group, head_dim, width, sb, kv_stride, rows == 1 ? kpf : NULL); \
                 }                                                                                       \
             }                                                                                           \
             for (int j = 0; j < gr.count; j++) { /* each row's own blocks (or this segment's), then its output */ \
@@ -778,11 +802,11 @@ int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t
                     const long next = start + n < end                                                   \
                         ? ((long)table[start / block_size + 1] * block_size * num_kv_heads + kv0) * head_dim \
                         : j == gr.count - 1 ? upcoming_base : -1;                                       \
-                    NAME##_scores(qf, acc, m, s, scores, k_cache + base, next >= 0 ? k_cache + next : NULL, \
+                    NAME##_scores(qf, acc, m, s, scores, k_cache + base, v_cache + base, \
                                   amx && off == 0 ? st.qt : NULL, n, nkv, group, head_dim, width, qw, sb, \
                                   kv_stride, scale);                                                    \
                     NAME##_values(1, &acc, (const float *const *)&scores, v_cache + base, n, nkv, group, head_dim, width, sb, \
-                                  kv_stride, next >= 0 ? v_cache + next : NULL);                        \
+                                  kv_stride, next >= 0 ? k_cache + next : NULL);                        \
                 }                                                                                       \
                 if (nseg[row] > 1) { /* this segment's partial; merged below */                         \
                     const int sg = it.seg >= 0 ? it.seg : (n_keys - 1) / seg_keys;                      \
