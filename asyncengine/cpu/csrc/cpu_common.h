@@ -72,6 +72,13 @@ static inline __m512 bf16_round(__m512 x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(x)), 16));
 }
 
+/* 32 bf16 values (one 64-byte vector of uint16 pairs) as float32 without widening shuffles: the even
+ * elements by a 16-bit shift, the odd ones by masking off the low half of each pair. */
+static inline __m512 bf16_even_f32(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+static inline __m512 bf16_odd_f32(__m512i pairs) {
+    return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
 /* 16 bf16 values (zero where the mask is off) widened to float32 in registers: a 16-bit shift. */
 static inline __m512 load16_bf16(const uint16_t *p, __mmask16 mk) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p)), 16));

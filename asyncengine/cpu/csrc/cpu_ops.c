@@ -51,31 +51,23 @@ static inline void st16_bf16(uint16_t *p, __m512 x, __mmask16 m) {
  * denormals, all shuffle-port or long-latency work: [256, 768] with a residual 56 -> 41 us on one thread,
  * [2048, 768] 469-506 -> 328-336 us, on two 232-336 -> 163-180 us (AMD Zen 5). Only the float32 sum of
  * squares runs in another order (lanes hold element pairs), so a last bit can differ from before. */
-static inline __m512 even_f32(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
-static inline __m512 odd_f32(__m512i v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000)));
-}
-/* x rounded to bfloat16, kept as float32 bits (low half zero) */
-static inline __m512i round_hi(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x), hi = _mm512_set1_epi32((int)0xFFFF0000);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), hi);
-    return _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_and_si512(u, hi),
-                                _mm512_set1_epi32(0x400000));
-}
-static inline __m512i pack_pairs(__m512i even_hi, __m512i odd_hi) {
-    return _mm512_or_si512(_mm512_srli_epi32(even_hi, 16), odd_hi);
+/* x rounded to bfloat16 (bf16_bits), kept as float32 bits (low half zero) */
+static inline __m512i round_hi(__m512 x) { return _mm512_slli_epi32(bf16_bits(x), 16); }
+/* even and odd float32 lanes rounded to bfloat16 and packed back into pairs */
+static inline __m512i pack_pairs(__m512 even, __m512 odd) {
+    return _mm512_or_si512(bf16_bits(even), _mm512_slli_epi32(bf16_bits(odd), 16));
 }
 static void rms_row_pairs(const uint16_t *xr, const uint16_t *rr, const uint16_t *weight, uint16_t *o,
                           uint16_t *ro, int hidden, float eps) {
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
     for (int d = 0; d < hidden; d += 32) {
         const __m512i xv = _mm512_loadu_si512(xr + d);
-        __m512 e = even_f32(xv), od = odd_f32(xv);
+        __m512 e = bf16_even_f32(xv), od = bf16_odd_f32(xv);
         if (rr) {
             const __m512i rv = _mm512_loadu_si512(rr + d);
-            const __m512i eh = round_hi(_mm512_add_ps(e, even_f32(rv))), oh = round_hi(_mm512_add_ps(od, odd_f32(rv)));
-            _mm512_storeu_si512(ro + d, pack_pairs(eh, oh));
+            const __m512i eh = round_hi(_mm512_add_ps(e, bf16_even_f32(rv)));
+            const __m512i oh = round_hi(_mm512_add_ps(od, bf16_odd_f32(rv)));
+            _mm512_storeu_si512(ro + d, _mm512_or_si512(_mm512_srli_epi32(eh, 16), oh));
             e = _mm512_castsi512_ps(eh);
             od = _mm512_castsi512_ps(oh);
         }
@@ -86,10 +78,9 @@ static void rms_row_pairs(const uint16_t *xr, const uint16_t *rr, const uint16_t
     const uint16_t *src = rr ? ro : xr;
     for (int d = 0; d < hidden; d += 32) {
         const __m512i v = _mm512_loadu_si512(src + d), w = _mm512_loadu_si512(weight + d);
-        const __m512 ne = _mm512_castsi512_ps(round_hi(_mm512_mul_ps(even_f32(v), inv)));
-        const __m512 no = _mm512_castsi512_ps(round_hi(_mm512_mul_ps(odd_f32(v), inv)));
-        _mm512_storeu_si512(o + d, pack_pairs(round_hi(_mm512_mul_ps(even_f32(w), ne)),
-                                              round_hi(_mm512_mul_ps(odd_f32(w), no))));
+        const __m512 ne = _mm512_castsi512_ps(round_hi(_mm512_mul_ps(bf16_even_f32(v), inv)));
+        const __m512 no = _mm512_castsi512_ps(round_hi(_mm512_mul_ps(bf16_odd_f32(v), inv)));
+        _mm512_storeu_si512(o + d, pack_pairs(_mm512_mul_ps(bf16_even_f32(w), ne), _mm512_mul_ps(bf16_odd_f32(w), no)));
     }
 }
 

@@ -879,8 +879,8 @@ static inline void vload32_e5m2(const uint8_t *p, int left, __m512 *lo, __m512 *
 static inline void vload32_bf16(const uint16_t *p, int left, __m512 *lo, __m512 *hi) {
     const __mmask32 mk = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
     const __m512i x = _mm512_maskz_loadu_epi16(mk, p);
-    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-    *hi = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+    *lo = bf16_even_f32(x);
+    *hi = bf16_odd_f32(x);
 }
 static inline int acc_plain(int d) { return d; }
 static inline int acc_even_odd(int d) { return (d & ~31) + (d & 1) * 16 + ((d & 31) >> 1); }
