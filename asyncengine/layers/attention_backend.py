@@ -53,7 +53,7 @@ class SampledRows:
     meta: AttentionMetadata  # the batch of those N query rows
 
     def __len__(self) -> int:
-        return sum(self.meta.query_lens_cpu)
+        return self.indices.shape[0]
 
 
 class AttentionBackend(Protocol):
