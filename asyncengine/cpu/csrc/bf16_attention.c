@@ -165,7 +165,7 @@ static inline void pv_block(const uint32_t *PT, int r0, const uint16_t *vt, int 
             __m512bh vv[4];
             for (int j = 0; j < 4; j++) {
                 vv[j] = (__m512bh)_mm512_loadu_si512(vt + (size_t)p * 2 * D + 2 * d0 + 32 * j);
-                __asm__("" : "+v"(vv[j]));
+                KEEP_IN_REGISTER(vv[j]);
             }
             for (int r = 0; r < RG; r++) {
                 const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)PT[p * 16 + r0 + r]);

@@ -49,6 +49,11 @@ static inline __mmask16 mask_upto(int n) { return n >= 16 ? (__mmask16)0xFFFF : 
 /* 16 float32 values, zero where the mask is off. */
 static inline __m512 load16_f32(const float *p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
 
+/* A vector the caller loaded and means to reuse from its register: GCC otherwise may fold the load into
+ * every instruction that uses it, one load per use (the prompt-attention kernels' K / V vectors, used once
+ * per query row: 20 loads per 16 FMAs, past the two loads a cycle this CPU issues). */
+#define KEEP_IN_REGISTER(x) __asm__("" : "+v"(x))
+
 /* 16 lanes rounded to bfloat16 bits as f32_to_bf16 rounds (nearest even; a NaN stays a quiet NaN) */
 static inline __m512i bf16_bits(__m512 x) {
     const __m512i u = _mm512_castps_si512(x);

@@ -77,7 +77,10 @@ static inline __attribute__((always_inline)) void qk_block(const float *Q, int D
         for (int n = 0; n < nb; n++) acc[r][n] = _mm512_setzero_ps();
     for (int d = 0; d < D; d++) {
         __m512 kv[4];
-        for (int n = 0; n < nb; n++) kv[n] = _mm512_loadu_ps(kt + ((size_t)n * D + d) * 16);
+        for (int n = 0; n < nb; n++) {
+            kv[n] = _mm512_loadu_ps(kt + ((size_t)n * D + d) * 16);
+            KEEP_IN_REGISTER(kv[n]);
+        }
         for (int r = 0; r < RG; r++) {
             const __m512 qb = _mm512_set1_ps(Q[r * D + d]);
             for (int n = 0; n < nb; n++) acc[r][n] = _mm512_fmadd_ps(qb, kv[n], acc[r][n]);
@@ -98,7 +101,10 @@ pv_part(const float *P, const float *vt, int D, int nk, float *O, const float *a
     }
     for (int key = 0; key < nk; key++) {
         __m512 vv[4];
-        for (int j = 0; j < nv; j++) vv[j] = _mm512_loadu_ps(vt + (size_t)key * D + d0 + 16 * j);
+        for (int j = 0; j < nv; j++) {
+            vv[j] = _mm512_loadu_ps(vt + (size_t)key * D + d0 + 16 * j);
+            KEEP_IN_REGISTER(vv[j]);
+        }
         for (int r = 0; r < RG; r++) {
             const __m512 pb = _mm512_set1_ps(P[r * BK + key]);
             for (int j = 0; j < nv; j++) acc[r][j] = _mm512_fmadd_ps(pb, vv[j], acc[r][j]);
