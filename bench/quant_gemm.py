@@ -16,6 +16,12 @@
     python bench/quant_gemm.py                 # both parts, 1 thread
     python bench/quant_gemm.py --skip-decode --threads 2
     python bench/quant_gemm.py --skip-gemm --threads 2   # the decode rows only (best of 3 interleaved runs)
+    python bench/quant_gemm.py --float32 --threads 2     # only: float32 weights, the kernel against oneDNN
+
+--float32: the kernel's plain float32 weights (quant_gemm.pack_f32, what cpu/gemm.py runs a float32 layer
+on where the kernel has AVX-512) against oneDNN on its own blocked copy of the same weight (what it ran
+before), the medium model's five shapes (the LM head included) at M = 1 to 2048, each weight cycled over
+enough copies (~200 MB) that it streams from memory as in a decode step; GF/s and the kernel's speed-up.
 Writes bench/out/quant_gemm.json.
 """
 
@@ -101,6 +107,46 @@ def gemm_rows(threads: int) -> list[list[object]]:
             t4 = time_ms(partial(quant_gemm.linear, x, packed[4], None))
             t_deq = time_ms(partial(dequantize_then_matmul, x, fallback))
             rows.append([name, m, t_bf16, t8, t4, t_deq, t_bf16 / t8, t_bf16 / t4, t_bf16 / t_deq])
+            print(table_row(rows[-1]), flush=True)
+    return rows
+
+
+F32_SHAPES = [  # (name, N, K): the medium model's linears
+    ("qkv 768->2304", 2304, 768),
+    ("o 768->768", 768, 768),
+    ("gate_up 768->4096", 4096, 768),
+    ("down 2048->768", 768, 2048),
+    ("lm_head 768->32000", 32000, 768),
+]
+F32_ROWS = (1, 8, 64, 128, 512, 2048)
+
+
+def _each(fn: Callable[..., object], weights: list[object], *args: object) -> None:
+    for w in weights:
+        fn(w, *args)
+
+
+def float32_rows() -> list[list[object]]:
+    """GF/s of oneDNN and of the kernel's float32 tiles per shape and M, timed alternately."""
+    if not (cpu_gemm.enabled() and quant_gemm.native_f32()):
+        print("float32: needs oneDNN and the kernel's AVX-512 build")
+        return []
+    rows: list[list[object]] = []
+    for name, n, k in F32_SHAPES:
+        copies = max(1, int(200e6 // (n * k * 4)))  # cycled, so each call reads its weight from memory
+        weights = [torch.randn(n, k) * 0.02 for _ in range(copies)]
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, cpu_gemm.BATCH_HINT) for w in weights]
+        ours = [quant_gemm.pack_f32(w) for w in weights]
+        for m in F32_ROWS:
+            x = torch.randn(m, k)
+            linear_pointwise = partial(torch.ops.mkldnn._linear_pointwise, x)
+            run_onednn = partial(_each, linear_pointwise, onednn, None, "none", [], "")
+            run_ours = partial(_each, partial(quant_gemm.linear, x), ours, None)
+            t_a = t_b = float("inf")
+            for _ in range(3):  # alternated: the machine's other load hits both alike
+                t_a, t_b = min(t_a, time_ms(run_onednn)), min(t_b, time_ms(run_ours))
+            flops = 2 * m * n * k * copies / 1e6  # per ms -> GF/s
+            rows.append([name, m, flops / t_a, flops / t_b, t_a / t_b])
             print(table_row(rows[-1]), flush=True)
     return rows
 
@@ -220,12 +266,20 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="decode: best of this many interleaved runs")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-gemm", action="store_true")
+    parser.add_argument("--float32", action="store_true", help="only the float32 kernel against oneDNN")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not quant_gemm.available():
         print("the quantized CPU kernel could not be built (no C compiler?)")
         return 1
     print(load_line(machine_info()))
+    if args.float32:
+        f32 = float32_rows()
+        print(f"\nfloat32 GEMM, GF/s ({args.threads} threads): oneDNN, the kernel's float32 tiles, speed-up:")
+        print(table(["layer", "M", "oneDNN", "kernel", "kernel x"], f32, digits=2))
+        info = {"machine": machine_info(), "threads": args.threads, "rows": f32}
+        write_json(OUT / "quant_gemm_f32.json", info)
+        return 0
     gemm = [] if args.skip_gemm else gemm_rows(args.threads)
     if gemm:
         print("\nGEMM, ms per call (bfloat16 activations) and speed-up over bf16:")

@@ -2,8 +2,10 @@
 has AMX (cpu/amx.py, faster at a decode step's M), bfloat16 into the quantized kernel's 16-row blocks
 where the CPU has AVX512-BF16 but no AMX (cpu/quant_gemm.py's QT_BF16: measured on an AMD EPYC with 2
 threads, 1.1-1.7x oneDNN at M = 1-16 and 0.95-1.08x from M = 64 to 1024 on the bench's medium layers and
-a 7B-sized one, and every linear a C kernel lets decode steps replay as kernel graphs), otherwise (float32,
-or bfloat16 elsewhere) into oneDNN's blocked layout.
+a 7B-sized one, and every linear a C kernel lets decode steps replay as kernel graphs), float32 into the
+same kernel's float32 blocks where the CPU has AVX-512 (QT_F32: 1.1-1.35x oneDNN at M = 8-64, 1.0-1.06x
+at prefill sizes, same machine), otherwise (bfloat16 or float32 elsewhere) into oneDNN's blocked
+layout.
 
 `F.linear` hands MKL / oneDNN a plain row-major weight, and for the small-M GEMMs of a decode step
 (M = the batch) the library re-packs the whole weight on every call: profiled at ~12% of a float32
@@ -64,8 +66,9 @@ def enabled() -> bool:
 
 
 def prepack(weight: torch.Tensor) -> PackedWeight | None:
-    """[out, in] weight -> its packed copy (AMX tiles for bfloat16 where the CPU has AMX, else oneDNN's
-    layout), or None where packing does not apply. One copy either way: at the M of a prefill chunk oneDNN
+    """[out, in] weight -> its packed copy (AMX tiles for bfloat16 where the CPU has AMX, the quantized
+    kernel's blocks for bfloat16 on AVX512-BF16 and float32 on AVX-512, else oneDNN's layout), or None
+    where packing does not apply. One copy either way: at the M of a prefill chunk oneDNN
     is 10-20% faster than the AMX kernel, but keeping both would double the weights' memory for 1-3% of
     offline throughput (bench/RESULTS.md)."""
     if (
@@ -82,6 +85,13 @@ def prepack(weight: torch.Tensor) -> PackedWeight | None:
             return tiles
         if weight.dtype == torch.bfloat16 and quant_gemm.native_bf16():
             packed = quant_gemm.pack_bf16(weight)
+            if packed is not None:
+                return packed
+        if weight.dtype == torch.float32:
+            # every size: from 256 x 768 level with F.linear at M = 1 and 2-3x at M = 4-64 (2 threads, AMD
+            # Zen 5); a tiny one pays the call's ~6 us against F.linear's 2, and in exchange every linear is
+            # a kernel call (kernel graphs) and a row's bits do not depend on the batch around it
+            packed = quant_gemm.pack_f32(weight)
             if packed is not None:
                 return packed
     if not enabled():

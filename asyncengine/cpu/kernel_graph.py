@@ -82,9 +82,14 @@ class KernelGraph:
     def capture(cls, forward: Callable[[], Any]) -> KernelGraph:
         """Runs `forward()` once, recording it; raises GraphUnsupported (after the forward's side effects
         so far) when it cannot be replayed."""
-        graph = cls()
-        with _recording_kernels(graph), _Recorder(graph):
-            graph.output = forward()
+        for _ in range(2):  # a second time where the first met a kernel function new to this process
+            graph = cls()
+            with _recording_kernels(graph) as kernels, _Recorder(graph):
+                graph.output = forward()
+            if not kernels.missed:
+                break
+        else:
+            raise GraphUnsupported("a kernel function was looked up for the first time during capture, twice")
         graph._gather_call_lists()
         graph.nbytes = sum(dict(_memory(t) for t in graph.keepalive).values())
         return graph
@@ -205,22 +210,34 @@ class _RecordingCall:
 
 
 class _recording_kernels:
-    """Swaps every loaded kernel function for a _RecordingCall for the duration of the block."""
+    """Swaps every loaded kernel function for a _RecordingCall for the duration of the block. A function
+    ctypes looks up for the first time inside the block (or a library loaded there) is not swapped, so
+    its calls go unrecorded and a replay would skip them: `missed` says whether that happened (the first
+    float32 decode capture once ran its GEMMs through a library object first made during the capture, and
+    its replays returned another model's logits)."""
 
     def __init__(self, graph: KernelGraph) -> None:
         self.graph = graph
         self.saved: list[tuple[ctypes.CDLL, str, Any]] = []
+        self.missed = False
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _recording_kernels:
         for lib in loaded_libraries():
             for name, fn in list(vars(lib).items()):
                 if isinstance(fn, ctypes._CFuncPtr):  # ctypes caches looked-up functions on the instance
                     self.saved.append((lib, name, fn))
                     setattr(lib, name, _RecordingCall(fn, self.graph))
+        return self
 
     def __exit__(self, *exc: object) -> None:
+        swapped = {(id(lib), name) for lib, name, _ in self.saved}
         for lib, name, fn in self.saved:
             setattr(lib, name, fn)
+        self.missed = any(
+            isinstance(fn, ctypes._CFuncPtr) and (id(lib), name) not in swapped
+            for lib in loaded_libraries()
+            for name, fn in vars(lib).items()
+        )
 
 
 def kernel_graph_sizes(max_num_seqs: int, step: int = 16) -> list[int]:

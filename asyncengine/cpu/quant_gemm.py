@@ -33,6 +33,7 @@ from asyncengine.cpu.build import build_library
 SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.c"
 QTYPE_U4, QTYPE_U8, QTYPE_FP8 = 0, 1, 2  # the kernel's code types (canonical.QTYPE_* are the same)
 QTYPE_BF16 = 3  # plain bfloat16 weights (pack_bf16): no scales or zeros to apply
+QTYPE_F32 = 4  # plain float32 weights (pack_f32), float32 activations only
 BLOCK = 16  # output rows per block: one float32 vector
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 
@@ -41,7 +42,7 @@ class QuantWeight(NamedTuple):
     """A [out, in] weight in the kernel's layout (see csrc/quant_gemm.c)."""
 
     # [blocks, K_int / 8 (4-bit) or K_int / 4 (8-bit), 16, 4] uint8; e4m3: [blocks, K_int, 16];
-    # bfloat16: [blocks, K_int / 2, 16, 2]
+    # bfloat16: [blocks, K_int / 2, 16, 2]; float32: [blocks, K, 16]
     data: torch.Tensor
     scales: torch.Tensor  # [blocks, G, 16] float32 (e4m3: scale * 256)
     zeros: torch.Tensor | None  # [blocks, G, 16] float32; None for e4m3
@@ -65,8 +66,14 @@ def allowed() -> bool:
     return os.environ.get("ASYNCENGINE_CPU_QUANT", "1") != "0"
 
 
-@cache
 def load_library(portable: bool = False) -> ctypes.CDLL | None:
+    # one library object per build whatever the call's spelling (load_library() and load_library(False)
+    # were two cache entries, two CDLL objects, each with its own function attributes)
+    return _load_library(bool(portable))
+
+
+@cache
+def _load_library(portable: bool) -> ctypes.CDLL | None:
     if not allowed():
         return None
     lib = build_library(SOURCE, portable)
@@ -76,7 +83,7 @@ def load_library(portable: bool = False) -> ctypes.CDLL | None:
     lib.qgemm.argtypes = [_P, _L, _I, _I, _P, _P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I, _I]
     lib.qgemm_bf16_gated.restype = _I
     lib.qgemm_bf16_gated.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I]
-    for probe in (lib.qgemm_native_bf16, lib.qgemm_native_int8):
+    for probe in (lib.qgemm_native_bf16, lib.qgemm_native_int8, lib.qgemm_native_f32):
         probe.restype = _I
         probe.argtypes = []
     return lib
@@ -93,6 +100,17 @@ def native_bf16() -> bool:
         return False
     lib = load_library()
     return lib is not None and bool(lib.qgemm_native_bf16())
+
+
+def native_f32() -> bool:
+    """float32 weights run on this kernel's tiles here (AVX-512): cpu/gemm.py then gives it the float32
+    linears (pack_f32): 1.1-1.35x oneDNN at M = 8-64, 1.0-1.06x from 128 on, level at 1 (both stream the
+    weight); `python bench/quant_gemm.py --float32`.
+    ASYNCENGINE_CPU_F32_KERNEL=0 keeps them on oneDNN (A/B)."""
+    if os.environ.get("ASYNCENGINE_CPU_F32_KERNEL", "1") == "0":
+        return False
+    lib = load_library()
+    return lib is not None and bool(lib.qgemm_native_f32())
 
 
 def native_int8(portable: bool = False) -> bool:
@@ -198,6 +216,21 @@ def pack_bf16(weight: torch.Tensor, portable: bool = False, gated: bool = False)
     return QuantWeight(data, scales, None, None, QTYPE_BF16, n, k, k_int, k_int, portable, gated=gated)
 
 
+def pack_f32(weight: torch.Tensor) -> QuantWeight | None:
+    """A [N, K] float32 weight in the kernel's float32 layout: per 16-row block, column k as one 64-byte
+    vector of the 16 rows ([blocks, K, 16]), the operand of an FMA as it is. None where the kernel cannot
+    run it (no AVX-512 in this build, or the library turned off)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        raise TypeError(f"pack_f32 takes a 2-D float32 weight, got {weight.dtype} {tuple(weight.shape)}")
+    if not native_f32():
+        return None
+    n, k = weight.shape
+    w = F.pad(weight.detach(), (0, 0, 0, -n % BLOCK))  # [N', K]
+    data = w.view(-1, BLOCK, k).transpose(1, 2).contiguous()
+    scales = torch.ones(data.shape[0], 1, BLOCK)
+    return QuantWeight(data, scales, None, None, QTYPE_F32, n, k, k, k)
+
+
 # From this many rows on, bfloat16 activations with 4- / 8-bit codes go to AMX where the CPU has it
 # (amx.linear_quant): the codes dequantized to bfloat16 tiles once per row block, against the VNNI kernel's
 # per-row arithmetic. Below it the VNNI kernel, which reads the codes once, is faster (bench/quant_gemm.py).
@@ -229,6 +262,8 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> t
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
     rows = x2.shape[0]
+    if weight.qtype == QTYPE_F32 and x.dtype != torch.float32:  # the kernel takes float32 rows only
+        return linear(x.float(), weight, bias.float() if bias is not None else None).to(x.dtype)
     if weight.gated:
         return _linear_gated(lib, x2, weight, bias).reshape(*lead, weight.out_features // 2)
     if rows >= AMX_MIN_ROWS and uses_amx(weight, x.dtype):

@@ -40,13 +40,17 @@
 #define QT_U8 1
 #define QT_FP8 2
 #define QT_BF16 3
+#define QT_F32 4
 #define MT 8
+#define NB_MAX 3 /* blocks of a tile: NB_MAX x MT = 24 accumulators */
 #define PREFETCH_AHEAD 1024 /* bytes: ~16 steps ahead of the loads */
 #define PAR_MIN (1L << 16) /* multiply-adds below which waking threads costs more than it saves */
 
 
 /* bytes a block (16 rows) holds per column: half a byte, one or two bytes a row */
-static inline long column_bytes(int qtype) { return qtype == QT_U4 ? 8 : qtype == QT_BF16 ? 32 : 16; }
+static inline long column_bytes(int qtype) {
+    return qtype == QT_U4 ? 8 : qtype == QT_BF16 ? 32 : qtype == QT_F32 ? 64 : 16;
+}
 
 /* How far ahead of offset `off` of a tile's block to prefetch: PREFETCH_AHEAD bytes, but from a block's
  * last KiB the same place in the next tile's block (nb blocks on, most often this thread's next tile), so
@@ -233,6 +237,12 @@ static void store_tile(const __m512 *acc, int rows, int r0, int col0, int n, voi
                        int out_bf16, const void *bias) {
     float tmp[16];
     const int width = n - col0 < 16 ? n - col0 : 16;
+    if (!out_bf16 && width == 16) { /* a whole float32 block: vector stores */
+        const __m512 b = bias ? _mm512_loadu_ps((const float *)bias + col0) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++)
+            _mm512_storeu_ps((float *)out + (long)(r0 + r) * out_stride + col0, bias ? _mm512_add_ps(acc[r], b) : acc[r]);
+        return;
+    }
     if (out_bf16 && width == 16) { /* a whole block: vector stores */
         const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)bias + col0))), 16))
@@ -268,6 +278,76 @@ static inline Span next_share(const uint8_t *next, long bytes, int i, int tiles)
     const long lines = (bytes + 63) / 64, per = (lines + tiles - 2) / (tiles - 1), first = (i - 1) * per;
     return (Span){(const char *)next + first * 64, first >= lines ? 0 : lines - first < per ? lines - first : per};
 }
+
+/* float32 weights (QT_F32, cpu/quant_gemm.py pack_f32: [blocks][K][16], one 64-byte step a column) against
+ * float32 activations read in place: tile_bf16's tiles with FMAs, NB_MAX blocks x MT rows (24 accumulators),
+ * one weight vector per block and k feeding MT rows, one broadcast per row feeding NB_MAX blocks; the same
+ * prefetches (PREFETCH_AHEAD within the panel, a share of the next panel at decode-sized M). Each output
+ * sums over k in order. Against oneDNN's float32 GEMM on its own blocked weights (`python
+ * bench/quant_gemm.py --float32 --threads 2`, medium's shapes, AMD Zen 5): M = 1 0.91-1.02x (both stream
+ * the weight), M = 8 1.08-1.35x, M = 64 1.10-1.15x, M = 128 1.03-1.08x, M = 512-2048 1.00-1.06x. */
+static inline __attribute__((always_inline)) void tile_f32(int rows, int nb, const float *x, long x_stride,
+                                                           int k_int, const uint8_t *wb, long bstride, __m512 *acc,
+                                                           Span pf) {
+    for (int i = 0; i < nb * MT; i++) acc[i] = _mm512_setzero_ps();
+    const long pf_per = pf.lines > 0 ? (pf.lines + k_int - 1) / k_int : 0; /* lines a k step */
+    long pf_line = 0;
+    for (int k = 0; k < k_int; k++) {
+        for (long i = 0; i < pf_per && pf_line < pf.lines; i++, pf_line++)
+            _mm_prefetch(pf.p + pf_line * 64, _MM_HINT_T1);
+        __m512 w[NB_MAX];
+        const long off = (long)k * 64, ahead = ahead_of(off, bstride, nb);
+        for (int j = 0; j < nb; j++) {
+            const uint8_t *p = wb + j * bstride + off;
+            w[j] = _mm512_loadu_ps(p);
+            KEEP_IN_REGISTER(w[j]);
+            _mm_prefetch((const char *)(p + ahead), _MM_HINT_T0);
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m512 xv = _mm512_set1_ps(x[(long)r * x_stride + k]);
+            for (int j = 0; j < nb; j++) acc[j * MT + r] = _mm512_fmadd_ps(w[j], xv, acc[j * MT + r]);
+        }
+    }
+}
+
+/* Plain (bfloat16 or float32) weights, out = x W^T + b: tiles of NB_MAX blocks (the last tile narrower) x MT
+ * rows through TILE, split over the threads by tile; at decode-sized M each later row tile prefetches a
+ * share of the next tile's panel (next_share). XT: the activations' element type; OUT_BF16: the output's. */
+#define DEFINE_PLAIN_WEIGHTS(NAME, TILE, XT, QTYPE, OUT_BF16)                                                \
+    static int NAME(const void *x, long x_stride, const uint8_t *w, const void *bias, void *out,             \
+                    long out_stride, int m, int n, int k_int, int num_threads) {                              \
+        const int blocks = (n + 15) / 16, tiles = (blocks + NB_MAX - 1) / NB_MAX;                          \
+        const long bstride = qgemm_step_bytes(k_int, QTYPE);                                               \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && tiles > 1)") \
+        for (int t = 0; t < tiles; t++) {                                                                   \
+            const int b0 = t * NB_MAX, nb = blocks - b0 < NB_MAX ? blocks - b0 : NB_MAX;                   \
+            const int nb1 = blocks - b0 - nb < NB_MAX ? blocks - b0 - nb : NB_MAX; /* the next tile's */   \
+            const uint8_t *next = t + 1 < tiles ? w + (long)(b0 + nb) * bstride : NULL;                   \
+            const int row_tiles = (m + MT - 1) / MT;                                                        \
+            const uint8_t *wb = w + b0 * bstride;                                                           \
+            __m512 acc[NB_MAX * MT];                                                                        \
+            for (int r0 = 0; r0 < m; r0 += MT) {                                                            \
+                const int rows = m - r0 < MT ? m - r0 : MT;                                                 \
+                const Span pf = next_share(next, (long)nb1 * bstride, r0 / MT, row_tiles);                  \
+                const XT *xr = (const XT *)x + (long)r0 * x_stride;                                         \
+                if (nb == 3) {                                                                              \
+                    ROWS_SWITCH(TILE##_3)                                                                   \
+                } else if (nb == 2) {                                                                       \
+                    ROWS_SWITCH(TILE##_2)                                                                   \
+                } else {                                                                                    \
+                    ROWS_SWITCH(TILE##_1)                                                                   \
+                }                                                                                           \
+                for (int j = 0; j < nb; j++)                                                                \
+                    store_tile(acc + j * MT, rows, r0, (b0 + j) * 16, n, out, out_stride, OUT_BF16, bias); \
+            }                                                                                               \
+        }                                                                                                   \
+        return 0;                                                                                           \
+    }
+#define F32_TILE_1(R) tile_f32(R, 1, xr, x_stride, k_int, wb, bstride, acc, pf)
+#define F32_TILE_2(R) tile_f32(R, 2, xr, x_stride, k_int, wb, bstride, acc, pf)
+#define F32_TILE_3(R) tile_f32(R, 3, xr, x_stride, k_int, wb, bstride, acc, pf)
+DEFINE_PLAIN_WEIGHTS(f32_weights, F32_TILE, float, QT_F32, 0)
+
 #ifdef __AVX512BF16__
 #define HAVE_DPBF16 1
 /* bfloat16 activations: vdpbf16ps multiplies a pair of columns (k, k + 1) per lane. Codes (0..255)
@@ -335,7 +415,6 @@ static inline __attribute__((always_inline)) void block_dp(int rows, const uint1
 /* Decode-sized M (<= SMALL_ROWS) on codes: NB blocks at once, as tile_bf16 does for bfloat16 weights: at
  * one row block_dp is a single chain of vdpbf16ps, bound by its latency. Per output the operations are
  * block_dp's, in its order, so a row's bits do not depend on which path its batch took. */
-#define NB_MAX 3
 #define SMALL_ROWS 4
 static inline __attribute__((always_inline)) void tile_dp(int rows, int nb, const uint16_t *xb, const float *xsum,
                                                           int k_int, int gs, int qtype, const uint8_t *wb,
@@ -458,41 +537,10 @@ static void run_block(int b, const float *xs, int m, int n, int k_int, int gs, i
 #ifdef HAVE_DPBF16
 /* bfloat16 weights: tiles of NB_MAX blocks x MT rows (tile_bf16); x: bfloat16 rows x_stride apart, k_int
  * wide (gathered, or the caller's own when nothing is to be gathered). */
-static int bf16_weights(const void *x, long x_stride, const uint8_t *w, const void *bias, void *out, long out_stride,
-                        int m, int n, int k_int, int num_threads) {
-    const int blocks = (n + 15) / 16;
-    const long bstride = qgemm_step_bytes(k_int, QT_BF16);
-    const int tiles = (blocks + NB_MAX - 1) / NB_MAX;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && tiles > 1)
-    for (int t = 0; t < tiles; t++) {
-        const int b0 = t * NB_MAX, nb = blocks - b0 < NB_MAX ? blocks - b0 : NB_MAX;
-        const int nb1 = blocks - b0 - nb < NB_MAX ? blocks - b0 - nb : NB_MAX; /* the next tile's blocks */
-        const uint8_t *next = t + 1 < tiles ? w + (long)(b0 + nb) * bstride : NULL;
-        const int row_tiles = (m + MT - 1) / MT;
-        __m512 acc[NB_MAX * MT];
-        for (int r0 = 0; r0 < m; r0 += MT) {
-            const int rows = m - r0 < MT ? m - r0 : MT;
-            const Span pf = next_share(next, (long)nb1 * bstride, r0 / MT, row_tiles);
-            const uint16_t *xr = (const uint16_t *)x + (long)r0 * x_stride;
-            const uint8_t *wb = w + b0 * bstride;
-#define T1(R) tile_bf16(R, 1, xr, x_stride, k_int, wb, bstride, acc, pf)
-#define T2(R) tile_bf16(R, 2, xr, x_stride, k_int, wb, bstride, acc, pf)
-#define T3(R) tile_bf16(R, 3, xr, x_stride, k_int, wb, bstride, acc, pf)
-            if (nb == 3) {
-                ROWS_SWITCH(T3)
-            } else if (nb == 2) {
-                ROWS_SWITCH(T2)
-            } else {
-                ROWS_SWITCH(T1)
-            }
-#undef T1
-#undef T2
-#undef T3
-            for (int j = 0; j < nb; j++) store_tile(acc + j * MT, rows, r0, (b0 + j) * 16, n, out, out_stride, 1, bias);
-        }
-    }
-    return 0;
-}
+#define BF16_TILE_1(R) tile_bf16(R, 1, xr, x_stride, k_int, wb, bstride, acc, pf)
+#define BF16_TILE_2(R) tile_bf16(R, 2, xr, x_stride, k_int, wb, bstride, acc, pf)
+#define BF16_TILE_3(R) tile_bf16(R, 3, xr, x_stride, k_int, wb, bstride, acc, pf)
+DEFINE_PLAIN_WEIGHTS(bf16_weights, BF16_TILE, uint16_t, QT_BF16, 1)
 
 /* `rows` rows of a gate and an up accumulator block (+ their biases) -> 16 columns of T(silu(g)) * u, with
  * g and u the bfloat16 projections: cpu_ops.c's silu_and_mul on the rounded plain output, bit for bit. */
@@ -860,6 +908,16 @@ int qgemm_native_bf16(void) {
 #endif
 }
 
+/* 1 where float32 weights packed as QT_F32 run here (AVX-512): cpu/gemm.py then gives this kernel the
+ * float32 linears instead of oneDNN. */
+int qgemm_native_f32(void) {
+#ifdef HAVE_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* 1 where bfloat16 activations can be quantized to int8 for 4-/8-bit codes (AVX512-VNNI). */
 int qgemm_native_int8(void) {
 #ifdef HAVE_VNNI
@@ -893,6 +951,14 @@ int qgemm(const void *x, long x_stride, int x_bf16, int k_in, const long *perm, 
           const float *scales, const float *zeros, const void *bias, void *out, long out_stride, int m, int n,
           int k_int, int gs, int qtype, int act_int8, int num_threads) {
     if (m <= 0 || n <= 0) return 0;
+    if (qtype == QT_F32) { /* float32 rows in place only (pack_f32's weights; cpu/quant_gemm.py checks) */
+#ifdef HAVE_AVX512
+        if (x_bf16 || perm || k_in != k_int) return -1;
+        return f32_weights(x, x_stride, w, bias, out, out_stride, m, n, k_int, num_threads);
+#else
+        return -1;
+#endif
+    }
 #ifdef HAVE_VNNI
     if (x_bf16 && act_int8 && (qtype == QT_U4 || qtype == QT_U8))
         return qgemm_i8(x, x_stride, k_in, perm, w, scales, zeros, bias, out, out_stride, m, n, k_int, gs, qtype,

@@ -28,13 +28,16 @@ def pack_small_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(params=["amx", "bf16kernel", "onednn"])
 def bf16_packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """bfloat16 weights go to AMX tiles where the CPU has AMX, else to the quantized kernel's bfloat16
-    blocks where it has AVX512-BF16 ("bf16kernel" forces that one), else ("onednn") to oneDNN."""
+    blocks where it has AVX512-BF16 ("bf16kernel" forces that one), else ("onednn") to oneDNN. float32
+    weights go to the kernel's float32 blocks where it has AVX-512 ("bf16kernel" stands for that too),
+    else ("onednn") to oneDNN."""
     if request.param != "amx":
         monkeypatch.setattr(cpu_amx, "pack", lambda weight, gated=False: None)
     if request.param == "bf16kernel" and not quant_gemm.native_bf16():
         pytest.skip("no AVX512-BF16 build of the quantized kernel here")
     if request.param == "onednn":
         monkeypatch.setattr(quant_gemm, "native_bf16", lambda: False)
+        monkeypatch.setattr(quant_gemm, "native_f32", lambda: False)
     return request.param
 
 
@@ -42,8 +45,8 @@ def bf16_packing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize("m", [1, 7, 9, 33, 64, 300])  # 7, 9, 33, 300 run padded to a bucket (oneDNN)
 @pytest.mark.parametrize("layer_cls,bias", [(ColumnParallelLinear, True), (RowParallelLinear, False)])
 def test_packed_linear_matches_f_linear(dtype, m, layer_cls, bias, pack_small_fp32, bf16_packing) -> None:
-    if dtype == torch.float32 and bf16_packing != "onednn":
-        pytest.skip("float32 is always oneDNN's")
+    if dtype == torch.float32 and bf16_packing == "amx":
+        pytest.skip("no AMX path for float32")
     torch.manual_seed(m)
     layer = layer_cls(96, 80, SINGLE, bias=bias).to(dtype)
     with torch.no_grad():
@@ -56,8 +59,9 @@ def test_packed_linear_matches_f_linear(dtype, m, layer_cls, bias, pack_small_fp
     assert layer.weight.numel() == 0 and layer.packed is not None  # one copy of the weight, the packed one
     on_amx = dtype == torch.bfloat16 and bf16_packing == "amx" and cpu_amx.available()
     assert isinstance(layer.packed, cpu_amx.AmxWeight) == on_amx
-    in_kernel = (
-        dtype == torch.bfloat16 and bf16_packing != "onednn" and not on_amx and quant_gemm.native_bf16()
+    in_kernel = bf16_packing != "onednn" and (
+        (dtype == torch.bfloat16 and not on_amx and quant_gemm.native_bf16())
+        or (dtype == torch.float32 and quant_gemm.native_f32())
     )
     assert isinstance(layer.packed, quant_gemm.QuantWeight) == in_kernel
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -90,9 +94,10 @@ def test_tied_lm_head_keeps_the_embedding(pack_small_fp32) -> None:
     torch.testing.assert_close(emb(torch.tensor([1, 49])), w[[1, 49]])
 
 
-def test_small_float32_weights_stay_plain() -> None:
-    """Below FP32_PACK_MIN_BYTES a float32 layer keeps its weight and F.linear (cheaper per call);
-    bfloat16 layers of any size, and float32 ones above it, are packed."""
+def test_small_float32_weights_stay_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On oneDNN, below FP32_PACK_MIN_BYTES a float32 layer keeps its weight and F.linear (cheaper per
+    call); bfloat16 layers of any size, and float32 ones above it, are packed."""
+    monkeypatch.setattr(quant_gemm, "native_f32", lambda: False)
     small = ColumnParallelLinear(256, 512, SINGLE)  # 0.5 MiB of float32
     with torch.no_grad():
         small.weight.normal_()  # not torch.empty's garbage: a NaN there would make torch.equal fail
@@ -107,3 +112,19 @@ def test_small_float32_weights_stay_plain() -> None:
 def test_prepack_skips_other_devices_and_dtypes() -> None:
     assert cpu_gemm.prepack(torch.randn(4, 4, dtype=torch.float16)) is None
     assert cpu_gemm.prepack(torch.randn(4)) is None
+
+
+@pytest.mark.skipif(not quant_gemm.native_f32(), reason="no AVX-512 build of the quantized kernel here")
+def test_float32_kernel_takes_every_float32_weight() -> None:
+    """Where the quantized kernel runs float32 (AVX-512) it takes float32 weights of any size, below
+    oneDNN's threshold too: every linear a kernel call, a row's bits independent of its batch."""
+    for n, k in ((64, 64), (256, 512)):
+        layer = ColumnParallelLinear(k, n, SINGLE)
+        with torch.no_grad():
+            layer.weight.normal_()
+        w = layer.weight.detach().clone()
+        assert layer.prepack() and isinstance(layer.packed, quant_gemm.QuantWeight)
+        x = torch.randn(9, k)
+        y = layer(x)
+        torch.testing.assert_close(y, F.linear(x, w, layer.bias), atol=1e-4, rtol=1e-4)
+        assert torch.equal(layer(x[3:4]), y[3:4])

@@ -34,12 +34,12 @@ pytestmark = pytest.mark.skipif(not kernel_graphs_apply(), reason="no C kernels 
 
 
 def make_runner(
-    path: Any, max_num_seqs: int, max_len: int, num_blocks: int
+    path: Any, max_num_seqs: int, max_len: int, num_blocks: int, dtype: str = "bfloat16"
 ) -> tuple[ModelRunner, KernelGraphRunner]:
     set_attention_backend(CpuAttentionBackend())
     # block_size 16: the tests lay out block tables of 16-token blocks themselves
-    cfg = EngineConfig(model=str(path), dtype="bfloat16", max_num_seqs=max_num_seqs, block_size=16)
-    runner = ModelRunner(cfg, ParallelContext(), torch.device("cpu"), torch.bfloat16, max_len)
+    cfg = EngineConfig(model=str(path), dtype=dtype, max_num_seqs=max_num_seqs, block_size=16)
+    runner = ModelRunner(cfg, ParallelContext(), torch.device("cpu"), getattr(torch, dtype), max_len)
     runner.init_cache(num_blocks)
     graphs = runner.graph_runner
     assert isinstance(graphs, KernelGraphRunner)
@@ -56,20 +56,24 @@ def decode_inputs(runner: ModelRunner, seqs: list[SeqState], step: int) -> Model
 
 
 @pytest.mark.parametrize(
-    "arch,overrides,captured",
+    "arch,overrides,captured,dtype",
     [
-        ("llama", {}, True),
-        ("qwen2", {}, True),  # q/k/v biases
-        ("mistral", {"sliding_window": 12}, True),  # windowed attention
-        ("llama", {"num_key_value_heads": 1, "hidden_size": 128}, True),  # GQA 4:1
+        ("llama", {}, True, "bfloat16"),
+        ("qwen2", {}, True, "bfloat16"),  # q/k/v biases
+        ("mistral", {"sliding_window": 12}, True, "bfloat16"),  # windowed attention
+        ("llama", {"num_key_value_heads": 1, "hidden_size": 128}, True, "bfloat16"),  # GQA 4:1
         # q/k norms run as torch ops on [T, heads, D] views: more than a replay repeats, so eager throughout
-        ("qwen3", {"head_dim": 32}, False),
+        ("qwen3", {"head_dim": 32}, False, "bfloat16"),
+        # float32 linears on the quantized kernel's float32 tiles (AVX-512), a separate SiLU-and-mul op
+        ("llama", {}, True, "float32"),
     ],
 )
 def test_replay_matches_eager_step_by_step(
-    arch: str, overrides: dict[str, Any], captured: bool, tiny_model_factory: Any
+    arch: str, overrides: dict[str, Any], captured: bool, dtype: str, tiny_model_factory: Any
 ) -> None:
-    runner, graphs = make_runner(tiny_model_factory(arch, **overrides), 8, 128, 8 * 8)
+    if dtype == "float32" and not quant_gemm.native_f32():
+        pytest.skip("float32 linears are oneDNN torch ops here: too many for a graph")
+    runner, graphs = make_runner(tiny_model_factory(arch, **overrides), 8, 128, 8 * 8, dtype)
     rng = random.Random(0)
     seqs = [
         SeqState(
@@ -105,7 +109,7 @@ def test_replay_matches_eager_step_by_step(
             for s, t in zip(batch, tokens):
                 s.num_computed_tokens += 1
                 s.token_ids.append(t)
-    if captured and cpu_amx.available():  # without AMX the linears are oneDNN torch ops: eager throughout
+    if captured and (cpu_amx.available() or (dtype == "float32" and quant_gemm.native_f32())):
         # 6 and then 3 sequences run padded to sizes 8 and 4: two graphs
         assert graphs.enabled and graphs.num_captures == 2 and set(graphs.kernel_graphs) == {8, 4}
     for graph in graphs.kernel_graphs.values():  # runs of kernel calls replayed from C: fewer steps
@@ -180,6 +184,26 @@ def test_capture_does_not_import_dynamo() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_a_function_first_looked_up_during_capture_is_captured_again() -> None:
+    """ctypes makes a function object on its first lookup; one made inside a capture was never swapped for
+    a recorder, so its calls would be missing from the replay. The capture notices and runs again."""
+    lib = quant_gemm.load_library()
+    assert lib is not None
+    saved = vars(lib).pop("qgemm_native_int8")  # as if no one had called it in this process yet
+    calls: list[int] = []
+
+    def forward() -> None:
+        calls.append(lib.qgemm_native_int8())
+
+    try:
+        graph = KernelGraph.capture(forward)
+        assert len(calls) == 2 and graph.num_kernel_calls == 1
+        graph.replay()  # the recorded call, with its result checked
+        assert len(calls) == 2
+    finally:
+        lib.qgemm_native_int8 = saved  # its restype / argtypes, for the tests after this one
 
 
 @pytest.mark.skipif(load_call_list_library() is None, reason="call lists need x86-64 / AArch64 Linux")
