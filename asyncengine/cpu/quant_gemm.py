@@ -255,6 +255,8 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> t
     assert lib is not None, "a QuantWeight exists only where the library loaded"
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"quantized CPU linear takes float32 or bfloat16 activations, got {x.dtype}")
+    if weight.qtype == QTYPE_F32 and x.dtype != torch.float32:  # the kernel takes float32 rows only
+        return linear(x.float(), weight, bias.float() if bias is not None else None).to(x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -262,8 +264,6 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> t
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
     rows = x2.shape[0]
-    if weight.qtype == QTYPE_F32 and x.dtype != torch.float32:  # the kernel takes float32 rows only
-        return linear(x.float(), weight, bias.float() if bias is not None else None).to(x.dtype)
     if weight.gated:
         return _linear_gated(lib, x2, weight, bias).reshape(*lead, weight.out_features // 2)
     if rows >= AMX_MIN_ROWS and uses_amx(weight, x.dtype):
