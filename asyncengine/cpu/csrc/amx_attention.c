@@ -348,7 +348,10 @@ int amx_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long
 #pragma omp barrier
         if (!failed) {
             configure_tiles(16);
-            run_plan(&p, &c, QT, D, pack_kv, query_tile, &w);
+            if (run_plan(&p, &c, QT, D, pack_kv, query_tile, &w)) {
+#pragma omp atomic write
+                failed = 1;
+            }
             _tile_release();
         }
         free(w.S);

@@ -337,9 +337,6 @@ long write_kv(const char *k, long k_stride, const char *v, long v_stride, char *
  * threads; 1, 2 and 8 ahead within noise of 4). float32 (full-line loads, which it follows) measured level
  * with and without; prefetching the cache slots for writing as well measured level. */
 #define ROPE_AHEAD 4
-static inline void prefetch_bytes(const void *p, int n) {
-    for (int o = 0; o < n; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
-}
 /* The rotary embedding of a step's q and k and its KV-cache write in one pass over the rows (one call per
  * layer instead of three): q -> q_out, k -> k_out and its slot of k_cache, v -> its slot of v_cache. q, k,
  * v are column slices of the fused qkv projection (row strides in elements); q_out, k_out contiguous.

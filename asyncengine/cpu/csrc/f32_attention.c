@@ -203,10 +203,14 @@ int f32_attention_f32(const float *q, long q_stride, const float *k, long k_stri
                     k_stride, v_stride, out_stride, seqs, tables, table_stride, block_size, H, Hkv, D, window,
                     scale};
     /* clang-format on */
+    int failed = 0;
 #pragma omp parallel num_threads(num_threads)
-    run_plan(&p, &c, QT, UNIT_D(D), pack_kv, query_tile, NULL);
+    if (run_plan(&p, &c, QT, UNIT_D(D), pack_kv, query_tile, NULL)) {
+#pragma omp atomic write
+        failed = 1;
+    }
     free_plan(&p);
-    return 0;
+    return failed ? -2 : 0;
 }
 
 #else /* no AVX-512 in this build: callers keep torch's SDPA */

@@ -93,12 +93,27 @@ static int by_cost_desc(const void *a, const void *b) {
  * (one long prompt, few KV heads) every unit is packed first and the (head, query tile) items are shared
  * out, costliest first. */
 typedef struct {
-    uint16_t *kv; /* the packed K / V of every unit (the calling thread's buffer, kept between calls) */
+    uint16_t *kv; /* unfused: the packed K / V of every unit (the calling thread's buffer, kept between calls) */
+    size_t unit_max; /* fused: the largest unit, in 16-bit elements (each thread packs into a buffer of its own) */
     size_t *base; /* [num_seqs + 1]: where each sequence's units start in kv */
     Ranked *work; /* units (fused) or (query tile, head) items, costliest first */
     long n_work;
     int fused, units;
 } Plan;
+
+/* The calling thread's buffer of at least `elems` 16-bit elements, kept between calls (a fresh multi-MiB
+ * buffer per layer would be page-faulted in every time); NULL when memory is short. */
+static inline uint16_t *thread_buffer(size_t elems) {
+    static __thread uint16_t *buf;
+    static __thread size_t cap; /* bytes */
+    if (elems * 2 > cap) {
+        free(buf);
+        cap = (elems * 2 * 5 / 4 + 63) / 64 * 64; /* headroom: the next step's prompts may be longer */
+        buf = aligned_alloc(64, cap);
+        if (!buf) cap = 0;
+    }
+    return buf;
+}
 
 /* The plan for a call with query tiles of `qt` rows: 0, 1 when there is nothing to do, -1 for an
  * unsupported shape (more query than key rows, H not a multiple of Hkv), -2 when memory is short. */
@@ -110,26 +125,20 @@ static int plan_work(const int *seqs, int num_seqs, int H, int Hkv, int D, int q
         const int q_len = seqs[4 * s + 1], kv_len = seqs[4 * s + 3];
         if (q_len < 0 || q_len > kv_len) return -1;
         packed += Hkv * unit_size(kv_len, D);
+        if (unit_size(kv_len, D) > p->unit_max) p->unit_max = unit_size(kv_len, D);
         items += (size_t)H * ((q_len + qt - 1) / qt);
     }
     if (!items) return 1;
     p->units = num_seqs * Hkv;
     p->fused = p->units >= 4 * num_threads;
-    /* kept between calls (one per calling thread): a fresh multi-MiB buffer per layer would be page-faulted
-     * in every time */
-    static __thread uint16_t *kv_buf;
-    static __thread size_t kv_cap;
-    if (packed * 2 > kv_cap) {
-        free(kv_buf);
-        kv_cap = (packed * 2 * 5 / 4 + 63) / 64 * 64; /* headroom: the next step's prompts may be longer */
-        kv_buf = aligned_alloc(64, kv_cap);
-        if (!kv_buf) kv_cap = 0;
+    if (!p->fused) {
+        p->kv = thread_buffer(packed);
+        if (!p->kv) return -2;
     }
-    p->kv = kv_buf;
     p->base = malloc(sizeof(size_t) * (num_seqs + 1));
     p->n_work = p->fused ? p->units : (long)items;
     p->work = malloc(sizeof(Ranked) * p->n_work);
-    if (!p->base || !p->work || !p->kv) return -2;
+    if (!p->base || !p->work) return -2;
     p->base[0] = 0;
     for (int s = 0; s < num_seqs; s++) p->base[s + 1] = p->base[s] + Hkv * unit_size(seqs[4 * s + 3], D);
     /* the costliest first, for the dynamic schedule: a unit's cost grows with q_len * kv_len, a query tile's
@@ -179,17 +188,26 @@ static inline void unfused_item(const Ranked *item, const int *seqs, int H, int 
 }
 
 /* The plan's work, shared out to the threads of the enclosing parallel region (each of them calls this,
- * with its scratch): fused, a thread takes a unit, packs it and runs all its query tiles, last tile first
- * (the longest rows); otherwise every unit is packed, then the (query tile, head) items are shared out. */
-static inline __attribute__((always_inline)) void run_plan(const Plan *p, const Call *c, int qt, int unit_d,
-                                                           PackUnit pack, QueryTile tile, void *scratch) {
+ * with its scratch): fused, a thread takes a unit, packs it into its own buffer and runs all its query
+ * tiles, last tile first (the longest rows); otherwise every unit is packed, then the (query tile, head)
+ * items are shared out. Returns 0, or -2 where the thread's buffer could not be allocated (its units are
+ * then left undone: the call fails). Fused, the buffer is one unit's, reused unit after unit, so that the
+ * packing writes lines already in L2: packing into a call-sized buffer (all units at once, 2 x the K / V)
+ * fetched each line from L3 or DRAM before writing it, and the packing was a quarter of the kernel's time
+ * on the sweep's 16-256-token prompts. */
+static inline __attribute__((always_inline)) int run_plan(const Plan *p, const Call *c, int qt, int unit_d,
+                                                          PackUnit pack, QueryTile tile, void *scratch) {
     const int *seqs = c->seqs, Hkv = c->Hkv, group = c->H / c->Hkv;
+    int rc = 0;
     if (p->fused) {
+        uint16_t *buf = thread_buffer(p->unit_max);
+        if (!buf) rc = -2;
 #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < p->n_work; i++) {
+            if (!buf) continue;
             const int s = p->work[i].index / Hkv, g = p->work[i].index % Hkv,
                       tiles = (seqs[4 * s + 1] + qt - 1) / qt;
-            const Unit u = plan_unit(p, seqs, s, g, unit_d);
+            const Unit u = {buf, buf + (size_t)ceil_to(seqs[4 * s + 3], 16) * unit_d};
             pack(c, s, g, u);
             for (int h = g * group; h < (g + 1) * group; h++)
                 for (int t = tiles - 1; t >= 0; t--) tile(c, scratch, s, h, t, u);
@@ -205,6 +223,7 @@ static inline __attribute__((always_inline)) void run_plan(const Plan *p, const 
             tile(c, scratch, s, h, t, plan_unit(p, seqs, s, h / group, unit_d));
         }
     }
+    return rc;
 }
 
 /* Row r's online-softmax step over a block of nb <= 4 16-key groups of its scores sr (not yet scaled), keys
