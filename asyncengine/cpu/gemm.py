@@ -103,14 +103,17 @@ def prepack(weight: torch.Tensor) -> PackedWeight | None:
 
 
 def prepack_gated(weight: torch.Tensor) -> AmxWeight | QuantWeight | None:
-    """A merged [gate | up] weight packed for its GEMM to return silu(gate) * up: AMX tiles (amx.pack(gated=
-    True)) or, on an AVX512-BF16 CPU without AMX, the bfloat16 kernel's blocks (quant_gemm.pack_bf16(gated=
-    True)); None where neither applies (not bfloat16, packing off, an intermediate size not of 16)."""
-    if not weight.numel() or not packing_on():
+    """A merged [gate | up] weight packed for its GEMM to return silu(gate) * up: bfloat16 on AMX tiles
+    (amx.pack(gated=True)) or, on an AVX512-BF16 CPU without AMX, the bfloat16 kernel's blocks
+    (quant_gemm.pack_bf16(gated=True)); float32 the float32 kernel's blocks (quant_gemm.pack_f32(gated=
+    True)); None where none applies (another dtype, packing off, an intermediate size not of 16)."""
+    if not weight.numel() or not packing_on() or weight.dim() != 2:
         return None
     with torch.no_grad():
+        if weight.dtype == torch.float32:
+            return quant_gemm.pack_f32(weight, gated=True)
         tiles = amx.pack(weight, gated=True)
-        if tiles is not None or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        if tiles is not None or weight.dtype != torch.bfloat16:
             return tiles
         return quant_gemm.pack_bf16(weight, gated=True) if quant_gemm.native_bf16() else None
 

@@ -54,7 +54,7 @@ class QuantWeight(NamedTuple):
     group_size: int
     portable: bool = False  # built without AVX-512 (tests run both)
     int8_activations: bool = False  # bfloat16 activations quantized to int8 (4- / 8-bit codes, VNNI)
-    gated: bool = False  # a bfloat16 [gate | up] weight whose `linear` returns silu(gate) * up, [T, out / 2]
+    gated: bool = False  # a [gate | up] weight whose `linear` returns silu(gate) * up, [T, out / 2]
 
     def nbytes(self) -> int:
         """Resident bytes of the packed weight."""
@@ -81,8 +81,9 @@ def _load_library(portable: bool) -> ctypes.CDLL | None:
         return None
     lib.qgemm.restype = _I
     lib.qgemm.argtypes = [_P, _L, _I, _I, _P, _P, _P, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I, _I]
-    lib.qgemm_bf16_gated.restype = _I
-    lib.qgemm_bf16_gated.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I]
+    for gated in (lib.qgemm_bf16_gated, lib.qgemm_f32_gated):
+        gated.restype = _I
+        gated.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I]
     for probe in (lib.qgemm_native_bf16, lib.qgemm_native_int8, lib.qgemm_native_f32):
         probe.restype = _I
         probe.argtypes = []
@@ -204,10 +205,7 @@ def pack_bf16(weight: torch.Tensor, portable: bool = False, gated: bool = False)
     if gated:
         if portable or not native_bf16() or n % (2 * BLOCK) or k % 2:
             return None
-        inter = n // 2
-        # [gate block 0, up block 0, gate block 1, ...]: row blocks of 16 interleaved
-        weight = torch.stack([weight[:inter].view(-1, BLOCK, k), weight[inter:].view(-1, BLOCK, k)], 1)
-        weight = weight.reshape(n, k)
+        weight = _interleave_gate_up(weight)
     w = F.pad(weight.detach(), (0, k % 2, 0, -n % BLOCK))  # [N', K_int]
     k_int = w.shape[1]
     data = w.view(torch.int16).view(-1, BLOCK, k_int // 2, 2).transpose(1, 2).contiguous()
@@ -216,19 +214,36 @@ def pack_bf16(weight: torch.Tensor, portable: bool = False, gated: bool = False)
     return QuantWeight(data, scales, None, None, QTYPE_BF16, n, k, k_int, k_int, portable, gated=gated)
 
 
-def pack_f32(weight: torch.Tensor) -> QuantWeight | None:
+def _interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """[gate | up] rows -> [gate block 0, up block 0, gate block 1, ...]: row blocks of 16 interleaved, so
+    that the gated kernels' 2-block tiles hold both halves of 16 outputs."""
+    n, k = weight.shape
+    inter = n // 2
+    halves = [weight[:inter].view(-1, BLOCK, k), weight[inter:].view(-1, BLOCK, k)]
+    return torch.stack(halves, 1).reshape(n, k)
+
+
+def pack_f32(weight: torch.Tensor, gated: bool = False) -> QuantWeight | None:
     """A [N, K] float32 weight in the kernel's float32 layout: per 16-row block, column k as one 64-byte
     vector of the 16 rows ([blocks, K, 16]), the operand of an FMA as it is. None where the kernel cannot
-    run it (no AVX-512 in this build, or the library turned off)."""
+    run it (no AVX-512 in this build, or the library turned off).
+
+    gated: a merged [gate | up] weight (N a multiple of 32) whose `linear` is to return silu(gate) * up,
+    as ops.silu_and_mul would on the plain output, bit for bit (csrc/quant_gemm.c, f32_weights_gated);
+    None where N is not a multiple of 32."""
     if weight.dtype != torch.float32 or weight.dim() != 2:
         raise TypeError(f"pack_f32 takes a 2-D float32 weight, got {weight.dtype} {tuple(weight.shape)}")
     if not native_f32():
         return None
     n, k = weight.shape
+    if gated:
+        if n % (2 * BLOCK):
+            return None
+        weight = _interleave_gate_up(weight)
     w = F.pad(weight.detach(), (0, 0, 0, -n % BLOCK))  # [N', K]
     data = w.view(-1, BLOCK, k).transpose(1, 2).contiguous()
     scales = torch.ones(data.shape[0], 1, BLOCK)
-    return QuantWeight(data, scales, None, None, QTYPE_F32, n, k, k, k)
+    return QuantWeight(data, scales, None, None, QTYPE_F32, n, k, k, k, gated=gated)
 
 
 # From this many rows on, bfloat16 activations with 4- / 8-bit codes go to AMX where the CPU has it
@@ -310,11 +325,14 @@ def linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> t
 def _linear_gated(
     lib: ctypes.CDLL, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """[T, in] bfloat16 -> [T, out / 2] = silu(gate) * up through a gated weight (pack_bf16(gated=True))."""
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"a gated bfloat16 weight takes bfloat16 activations, got {x.dtype}")
+    """[T, in] -> [T, out / 2] = silu(gate) * up through a gated weight (pack_bf16 / pack_f32 with
+    gated=True), in the weight's dtype."""
+    f32 = weight.qtype == QTYPE_F32
+    dtype = torch.float32 if f32 else torch.bfloat16
+    if x.dtype != dtype:
+        raise TypeError(f"a gated {dtype} weight takes {dtype} activations, got {x.dtype}")
     out = torch.empty(x.shape[0], weight.out_features // 2, dtype=x.dtype)
-    rc = lib.qgemm_bf16_gated(
+    rc = (lib.qgemm_f32_gated if f32 else lib.qgemm_bf16_gated)(
         x.data_ptr(),
         x.stride(0),
         weight.data.data_ptr(),
@@ -326,5 +344,5 @@ def _linear_gated(
         weight.k_int,
         torch.get_num_threads(),
     )
-    assert rc == 0, f"qgemm_bf16_gated returned {rc}"
+    assert rc == 0, f"the gated GEMM returned {rc}"
     return out

@@ -108,8 +108,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, parallel, bias=opts.mlp_bias)
 
     def prepack(self) -> bool:
-        """On an AMX or AVX512-BF16 CPU, packs the [gate | up] weight so that its GEMM writes silu(gate) * up
-        directly (cpu_gemm.prepack_gated): one op less per layer and half the GEMM's output written."""
+        """On an AMX or AVX512-BF16 CPU (bfloat16) or an AVX-512 one (float32), packs the [gate | up] weight
+        so that its GEMM writes silu(gate) * up directly (cpu_gemm.prepack_gated): one op less per layer and
+        half the GEMM's output written."""
         return (
             self.act_fn.is_silu and self.gate_up_proj.packed is None and self.gate_up_proj.prepack(gated=True)
         )

@@ -29,8 +29,8 @@
  * in registers as (code - zero) * scale, the reference's float32 weight exactly, and multiplies it into
  * every row at once; larger M dequantizes a block's whole strip ([K][16] float32, L2-sized) once and
  * runs MT-row tiles over it. Output blocks are split across OpenMP threads.
- * A [gate | up] bfloat16 weight packed gated (qgemm_bf16_gated) alternates gate and up blocks, and its
- * tiles' epilogue writes silu(gate) * up (bf16_weights_gated).
+ * A [gate | up] bfloat16 or float32 weight packed gated (qgemm_bf16_gated, qgemm_f32_gated) alternates gate
+ * and up blocks, and its tiles' epilogue writes silu(gate) * up (DEFINE_GATED_WEIGHTS).
  * Each output value is summed over k in one fixed order, whatever M is. Built by cpu/build.py. */
 #include <stdlib.h>
 
@@ -295,7 +295,7 @@ static inline __attribute__((always_inline)) void tile_f32(int rows, int nb, con
     for (int k = 0; k < k_int; k++) {
         for (long i = 0; i < pf_per && pf_line < pf.lines; i++, pf_line++)
             _mm_prefetch(pf.p + pf_line * 64, _MM_HINT_T1);
-        __m512 w[NB_MAX];
+        __m512 w[4]; /* nb <= 4: the gated kernel's two pairs */
         const long off = (long)k * 64, ahead = ahead_of(off, bstride, nb);
         for (int j = 0; j < nb; j++) {
             const uint8_t *p = wb + j * bstride + off;
@@ -347,6 +347,95 @@ static inline __attribute__((always_inline)) void tile_f32(int rows, int nb, con
 #define F32_TILE_2(R) tile_f32(R, 2, xr, x_stride, k_int, wb, bstride, acc, pf)
 #define F32_TILE_3(R) tile_f32(R, 3, xr, x_stride, k_int, wb, bstride, acc, pf)
 DEFINE_PLAIN_WEIGHTS(f32_weights, F32_TILE, float, QT_F32, 0)
+
+/* `rows` rows of a gate and an up accumulator block (+ their biases) -> 16 float32 columns of silu(g) * u:
+ * cpu_ops.c's silu_and_mul on the plain kernel's output (store_tile: acc + bias), bit for bit. */
+__attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const __m512 *acc_u, int rows, int r0,
+                                                      int col, float *out, long out_stride, const float *bias_g,
+                                                      const float *bias_u) {
+    for (int r = 0; r < rows; r++) {
+        const __m512 g = bias_g ? _mm512_add_ps(acc_g[r], _mm512_loadu_ps(bias_g)) : acc_g[r];
+        const __m512 u = bias_u ? _mm512_add_ps(acc_u[r], _mm512_loadu_ps(bias_u)) : acc_u[r];
+        const __m512 a = _mm512_div_ps(
+            g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_storeu_ps(out + (long)(r0 + r) * out_stride + col, _mm512_mul_ps(a, u));
+    }
+}
+
+/* A [gate | up] weight packed gated (cpu/quant_gemm.py pack_bf16 / pack_f32 with gated=True): its blocks
+ * alternate gate and up (block 2i: gate rows 16i .. 16i + 15, block 2i + 1: the up rows of the same
+ * outputs), so each 2-block tile holds both halves of 16 outputs and writes out [m, n / 2] = silu(gate) *
+ * up straight from its accumulators: the GEMM's [m, n] output is never written nor read again by a
+ * separate silu_and_mul pass. Each output sums over k in the same order as the plain kernel's. TILE(rows,
+ * nb, x, wb, acc, pf): the plain kernel's tile (XT activations); STORE: the epilogue (OT outputs). */
+#define GATED_ROWS 6 /* rows of a two-pair tile: 4 blocks x 6 rows = 24 accumulators, as 3 x 8 */
+#define DEFINE_GATED_WEIGHTS(NAME, TILE, XT, OT, STORE)                                                     \
+    static int NAME(const XT *x, long x_stride, const uint8_t *w, const OT *bias, OT *out, long out_stride,  \
+                    int m, int n, int k_int, int num_threads, long bstride) {                                \
+        const int pairs = n / 32, inter = n / 2, tiles = (pairs + 1) / 2;                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && tiles > 1)") \
+        for (int t = 0; t < tiles; t++) {                                                                   \
+            __m512 acc[4 * MT]; /* block j's row r at j * MT + r */                                         \
+            const int np = pairs - 2 * t < 2 ? 1 : 2; /* pairs in this tile */                              \
+            const uint8_t *wb = w + 4L * t * bstride;                                                       \
+            if (m > 2 && m <= MT) { /* one pair at a time over all rows: 6-row tiles would cut 8 rows in   \
+                                     * two (at one or two rows the two-pair tile's four chains hide the    \
+                                     * latency) */                                                          \
+                for (int p = 0; p < np; p++) {                                                              \
+                    const int rows = m, col = (2 * t + p) * 16;                                             \
+                    const uint8_t *wp = wb + 2L * p * bstride;                                              \
+                    switch (rows) {                                                                         \
+                    case 3: TILE(3, 2, x, wp, acc, ((Span){0, 0})); break;                                  \
+                    case 4: TILE(4, 2, x, wp, acc, ((Span){0, 0})); break;                                  \
+                    case 5: TILE(5, 2, x, wp, acc, ((Span){0, 0})); break;                                  \
+                    case 6: TILE(6, 2, x, wp, acc, ((Span){0, 0})); break;                                  \
+                    case 7: TILE(7, 2, x, wp, acc, ((Span){0, 0})); break;                                  \
+                    default: TILE(8, 2, x, wp, acc, ((Span){0, 0})); break;                                 \
+                    }                                                                                       \
+                    STORE(acc, acc + MT, rows, 0, col, out, out_stride, bias ? bias + col : NULL,           \
+                          bias ? bias + inter + col : NULL);                                                \
+                }                                                                                           \
+                continue;                                                                                   \
+            }                                                                                               \
+            const int tile_rows = np == 2 ? GATED_ROWS : MT, row_tiles = (m + tile_rows - 1) / tile_rows;   \
+            const int np1 = pairs - 2 * (t + 1) < 2 ? 1 : 2; /* the next tile's pairs */                    \
+            const uint8_t *next = t + 1 < tiles ? w + 4L * (t + 1) * bstride : NULL;                        \
+            for (int r0 = 0; r0 < m; r0 += tile_rows) {                                                     \
+                const int rows = m - r0 < tile_rows ? m - r0 : tile_rows;                                   \
+                const XT *xr = x + (long)r0 * x_stride;                                                     \
+                const Span pf = next_share(next, 2L * np1 * bstride, r0 / tile_rows, row_tiles);            \
+                if (np == 2) {                                                                              \
+                    switch (rows) {                                                                         \
+                    case 1: TILE(1, 4, xr, wb, acc, pf); break;                                             \
+                    case 2: TILE(2, 4, xr, wb, acc, pf); break;                                             \
+                    case 3: TILE(3, 4, xr, wb, acc, pf); break;                                             \
+                    case 4: TILE(4, 4, xr, wb, acc, pf); break;                                             \
+                    case 5: TILE(5, 4, xr, wb, acc, pf); break;                                             \
+                    default: TILE(6, 4, xr, wb, acc, pf); break;                                            \
+                    }                                                                                       \
+                } else {                                                                                    \
+                    switch (rows) {                                                                         \
+                    case 1: TILE(1, 2, xr, wb, acc, pf); break;                                             \
+                    case 2: TILE(2, 2, xr, wb, acc, pf); break;                                             \
+                    case 3: TILE(3, 2, xr, wb, acc, pf); break;                                             \
+                    case 4: TILE(4, 2, xr, wb, acc, pf); break;                                             \
+                    case 5: TILE(5, 2, xr, wb, acc, pf); break;                                             \
+                    case 6: TILE(6, 2, xr, wb, acc, pf); break;                                             \
+                    case 7: TILE(7, 2, xr, wb, acc, pf); break;                                             \
+                    default: TILE(8, 2, xr, wb, acc, pf); break;                                            \
+                    }                                                                                       \
+                }                                                                                           \
+                for (int p = 0; p < np; p++) {                                                              \
+                    const int col = (2 * t + p) * 16;                                                       \
+                    STORE(acc + 2 * p * MT, acc + (2 * p + 1) * MT, rows, r0, col, out, out_stride,         \
+                          bias ? bias + col : NULL, bias ? bias + inter + col : NULL);                      \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        return 0;                                                                                           \
+    }
+#define F32_GATED_TILE(R, NB, X, WB, ACC, PF) tile_f32(R, NB, X, x_stride, k_int, WB, bstride, ACC, PF)
+DEFINE_GATED_WEIGHTS(f32_weights_gated, F32_GATED_TILE, float, float, store_gated_f32)
 
 #ifdef __AVX512BF16__
 #define HAVE_DPBF16 1
@@ -558,66 +647,8 @@ __attribute__((noinline)) static void store_gated(const __m512 *acc_g, const __m
     }
 }
 
-/* A [gate | up] bfloat16 weight packed gated (cpu/quant_gemm.py pack_bf16(gated=True)): its blocks
- * alternate gate and up (block 2i: gate rows 16i .. 16i + 15, block 2i + 1: the up rows of the same
- * outputs), so each 2-block tile holds both halves of 16 outputs and writes out [m, n / 2] = silu(gate) *
- * up straight from its accumulators: the GEMM's [m, n] output is never written nor read again by a
- * separate silu_and_mul pass. Each output sums over k in the same order as the plain kernel's. */
-#define GATED_ROWS 6 /* rows of a two-pair tile: 4 blocks x 6 rows = 24 accumulators, as tile_bf16's 3 x 8 */
-static int bf16_weights_gated(const uint16_t *x, long x_stride, const uint8_t *w, const uint16_t *bias,
-                              uint16_t *out, long out_stride, int m, int n, int k_int, int num_threads) {
-    const int pairs = n / 32, inter = n / 2, tiles = (pairs + 1) / 2;
-    const long bstride = qgemm_step_bytes(k_int, QT_BF16);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && tiles > 1)
-    for (int t = 0; t < tiles; t++) {
-        __m512 acc[4 * MT]; /* block j's row r at j * MT + r */
-        const int np = pairs - 2 * t < 2 ? 1 : 2; /* pairs in this tile */
-        const uint8_t *wb = w + 4L * t * bstride;
-        if (m > 2 && m <= MT) { /* one pair at a time over all rows: 6-row tiles would cut 8 rows in two (at
-                                 * one or two rows the two-pair tile's four chains hide vdpbf16ps's latency) */
-            for (int p = 0; p < np; p++) {
-                const int rows = m, col = (2 * t + p) * 16;
-                const uint8_t *wp = wb + 2L * p * bstride;
-#define T2(R) tile_bf16(R, 2, x, x_stride, k_int, wp, bstride, acc, (Span){0, 0})
-                ROWS_SWITCH(T2)
-#undef T2
-                store_gated(acc, acc + MT, rows, 0, col, out, out_stride, bias ? bias + col : NULL,
-                            bias ? bias + inter + col : NULL);
-            }
-            continue;
-        }
-        const int tile_rows = np == 2 ? GATED_ROWS : MT, row_tiles = (m + tile_rows - 1) / tile_rows;
-        const int np1 = pairs - 2 * (t + 1) < 2 ? 1 : 2; /* the next tile's pairs */
-        const uint8_t *next = t + 1 < tiles ? w + 4L * (t + 1) * bstride : NULL;
-        for (int r0 = 0; r0 < m; r0 += tile_rows) {
-            const int rows = m - r0 < tile_rows ? m - r0 : tile_rows;
-            const uint16_t *xr = x + (long)r0 * x_stride;
-            const Span pf = next_share(next, 2L * np1 * bstride, r0 / tile_rows, row_tiles);
-#define T2(R) tile_bf16(R, 2, xr, x_stride, k_int, wb, bstride, acc, pf)
-#define T4(R) tile_bf16(R, 4, xr, x_stride, k_int, wb, bstride, acc, pf)
-            if (np == 2) {
-                switch (rows) {
-                case 1: T4(1); break;
-                case 2: T4(2); break;
-                case 3: T4(3); break;
-                case 4: T4(4); break;
-                case 5: T4(5); break;
-                default: T4(6); break;
-                }
-            } else {
-                ROWS_SWITCH(T2)
-            }
-#undef T2
-#undef T4
-            for (int p = 0; p < np; p++) {
-                const int col = (2 * t + p) * 16;
-                store_gated(acc + 2 * p * MT, acc + (2 * p + 1) * MT, rows, r0, col, out, out_stride,
-                            bias ? bias + col : NULL, bias ? bias + inter + col : NULL);
-            }
-        }
-    }
-    return 0;
-}
+#define BF16_GATED_TILE(R, NB, X, WB, ACC, PF) tile_bf16(R, NB, X, x_stride, k_int, WB, bstride, ACC, PF)
+DEFINE_GATED_WEIGHTS(bf16_weights_gated, BF16_GATED_TILE, uint16_t, uint16_t, store_gated)
 
 /* bfloat16 activations: gathered (permuted, zero-padded) as bfloat16 with their per-group sums, then
  * MT-row tiles per block through block_dp. */
@@ -936,7 +967,23 @@ int qgemm_bf16_gated(const void *x, long x_stride, const uint8_t *w, const void 
     if (n % 32) return -1;
     if (m <= 0) return 0;
     return bf16_weights_gated((const uint16_t *)x, x_stride, w, (const uint16_t *)bias, (uint16_t *)out, out_stride,
-                              m, n, k_int, num_threads);
+                              m, n, k_int, num_threads, qgemm_step_bytes(k_int, QT_BF16));
+#else
+    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride; (void)m; (void)n; (void)k_int;
+    (void)num_threads;
+    return -1;
+#endif
+}
+
+/* qgemm_bf16_gated's float32 counterpart, for a gated float32 weight (f32_weights_gated): x, bias and out
+ * float32. Returns 0, or -1 where this build has no AVX-512 or n is not a multiple of 32. */
+int qgemm_f32_gated(const void *x, long x_stride, const uint8_t *w, const void *bias, void *out, long out_stride,
+                    int m, int n, int k_int, int num_threads) {
+#ifdef HAVE_AVX512
+    if (n % 32) return -1;
+    if (m <= 0) return 0;
+    return f32_weights_gated((const float *)x, x_stride, w, (const float *)bias, (float *)out, out_stride, m, n, k_int,
+                             num_threads, qgemm_step_bytes(k_int, QT_F32));
 #else
     (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride; (void)m; (void)n; (void)k_int;
     (void)num_threads;

@@ -76,63 +76,9 @@ needs_native_bf16 = pytest.mark.skipif(not quant_gemm.native_bf16(), reason="no 
 
 
 @needs_native_bf16
-@pytest.mark.parametrize("k,inter", [(64, 16), (96, 48), (40, 32), (768, 2048)])
-def test_gated_weight_gives_silu_and_mul_bit_for_bit(k: int, inter: int) -> None:
-    """A [gate | up] weight packed gated: the GEMM's epilogue equals cpu_ops.silu_and_mul on the plain
-    kernel's output, bit for bit, in every tile regime (1-2 rows on two-pair tiles, 3-8 rows pair by pair,
-    6-row two-pair tiles beyond, an odd last pair), with and without a bias, through denormals, infinities
-    and NaN."""
-    from asyncengine.cpu import ops as cpu_ops
-
-    g = torch.Generator().manual_seed(k + inter)
-    w = (torch.randn(2 * inter, k, generator=g) * 0.3).bfloat16()
-    b = torch.randn(2 * inter, generator=g).bfloat16()
-    plain, gated = quant_gemm.pack_bf16(w), quant_gemm.pack_bf16(w, gated=True)
-    assert gated is not None and gated.gated and not plain.gated
-    for m in (1, 2, 3, 8, 9, 13, 40):
-        x = torch.randn(m, k, generator=g).bfloat16()
-        x[0, :4] = torch.tensor([1e-39, -3e38, 3e38, 0.0])  # denormal, huge (inf sums), zero
-        if m > 2:
-            x[2, 1] = float("nan")
-        for bias in (None, b):
-            expected = cpu_ops.silu_and_mul(quant_gemm.linear(x, plain, bias))
-            got = quant_gemm.linear(x, gated, bias)
-            assert got.shape == (m, inter)
-            assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), (m, bias is None)
-
-
-@needs_native_bf16
 def test_gated_packing_refuses_what_it_cannot_run() -> None:
     assert quant_gemm.pack_bf16(torch.randn(2 * 24, 64).bfloat16(), gated=True) is None  # inter not of 16
     assert quant_gemm.pack_bf16(torch.randn(64, 63).bfloat16(), gated=True) is None  # K odd
     gated = quant_gemm.pack_bf16(torch.randn(64, 64).bfloat16(), gated=True)
     with pytest.raises(TypeError, match="bfloat16 activations"):
         quant_gemm.linear(torch.randn(3, 64), gated, None)
-
-
-@needs_native_bf16
-def test_gated_mlp_packs_its_gate_up_without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    """LlamaMLP.prepack on an AVX512-BF16 CPU without AMX: gate_up's GEMM applies SiLU-and-mul itself and
-    the MLP's output is the unfused one's, bit for bit."""
-    from types import SimpleNamespace
-
-    from asyncengine.cpu import amx as cpu_amx
-    from asyncengine.cpu import gemm as cpu_gemm
-    from asyncengine.layers.parallel import ParallelContext
-    from asyncengine.models.llama import LlamaMLP, LlamaOptions
-
-    monkeypatch.setattr(cpu_amx, "pack", lambda weight, gated=False: None)  # as on a CPU without AMX
-    cfg = SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="silu")
-    torch.manual_seed(3)
-    mlps = [LlamaMLP(cfg, ParallelContext(), LlamaOptions()).to(torch.bfloat16) for _ in range(2)]
-    with torch.no_grad():
-        for p in mlps[0].parameters():
-            p.normal_(0, 0.1)
-        mlps[1].load_state_dict(mlps[0].state_dict())
-        assert mlps[0].prepack() and mlps[0].fused_act  # gated
-        assert isinstance(mlps[0].gate_up_proj.packed, quant_gemm.QuantWeight)
-        assert mlps[1].gate_up_proj.prepack() and not mlps[1].fused_act  # plain, then silu_and_mul
-        cpu_gemm.prepack_model(mlps[1])
-        for m in (1, 5, 30):
-            x = torch.randn(m, 64).bfloat16()
-            assert torch.equal(mlps[0](x), mlps[1](x))

@@ -72,3 +72,11 @@ def test_nan_stays_in_its_column() -> None:
 def test_refuses_other_dtypes() -> None:
     with pytest.raises(TypeError, match="float32"):
         quant_gemm.pack_f32(torch.randn(4, 4).bfloat16())
+
+
+def test_gated_packing_refuses_what_it_cannot_run() -> None:
+    assert quant_gemm.pack_f32(torch.randn(2 * 24, 64), gated=True) is None  # inter not of 16
+    gated = quant_gemm.pack_f32(torch.randn(64, 64), gated=True)
+    assert gated is not None
+    y = quant_gemm.linear(torch.randn(3, 64).bfloat16(), gated, None)  # widened, as a plain weight's
+    assert y.shape == (3, 32) and y.dtype == torch.bfloat16
