@@ -97,66 +97,17 @@ static inline __attribute__((always_inline)) void qk_rows(const uint32_t *qt, co
     }
 }
 
-/* The online-softmax step of the tile's 16 rows (one lane each) over n keys kb .. kb + n - 1 of S^T [key][16]
- * (not yet scaled), in base 2: scores scaled by c2 = scale * log2(e), the running maxima m in those units,
- * e = 2^(c2 S - m') as one fmsub and exp2h_512 (7 instructions; relative error 1.7e-7, far below P's
- * rounding to bfloat16). Every step is a vector over the rows: no horizontal reductions, no scalar code.
- * Row r (position pos0 + r, r < nr) sees key j where lo(r) <= j <= pos0 + r. Writes alpha (the factor O is
- * rescaled by), updates m and l, and P^T as bfloat16 pairs [key pair][16 rows] (32-bit words: the keys 2p
- * and 2p + 1 of a row, as pv_block broadcasts them). */
-static inline void softmax_rows(const float *ST, int n, int kb, int pos0, int nr, int window, float c2, __m512 *m,
-                                __m512 *l, float *alpha, uint32_t *PT) {
+/* P^T as bfloat16 pairs [key pair][16 rows]: 32-bit words holding keys 2p and 2p + 1 of a row, as pv_block
+ * broadcasts them ([e0 | e1] as 32 bfloat16, then interleaved into (e0[r], e1[r]) words). */
+static inline void store_bf16_pair(void *PT, int j, __m512 e0, __m512 e1) {
     /* clang-format off */
     const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     /* clang-format on */
-    const unsigned rows = nr >= 16 ? 0xFFFFu : (1u << nr) - 1;
-    __mmask16 mk[BK];
-    for (int j = 0; j < n; j++) {
-        const int lo = kb + j - pos0; /* rows r >= lo see key kb + j (causal) */
-        unsigned bits = lo <= 0 ? rows : lo >= 16 ? 0 : rows & ~((1u << lo) - 1);
-        if (window > 0) { /* and rows r <= lo + window - 1 (the window) */
-            const int hi = lo + window; /* rows below hi */
-            bits &= hi <= 0 ? 0 : hi >= 16 ? 0xFFFFu : (1u << hi) - 1;
-        }
-        mk[j] = (__mmask16)bits;
-    }
-    /* four running maxima (n is a multiple of 16): one would chain n dependent vmaxps, ~10% of a block's
-     * time at n = 64 */
-    __m512 mx0 = _mm512_set1_ps(-INFINITY), mx1 = mx0, mx2 = mx0, mx3 = mx0;
-    for (int j = 0; j < n; j += 4) {
-        mx0 = _mm512_mask_max_ps(mx0, mk[j], mx0, _mm512_loadu_ps(ST + j * 16));
-        mx1 = _mm512_mask_max_ps(mx1, mk[j + 1], mx1, _mm512_loadu_ps(ST + (j + 1) * 16));
-        mx2 = _mm512_mask_max_ps(mx2, mk[j + 2], mx2, _mm512_loadu_ps(ST + (j + 2) * 16));
-        mx3 = _mm512_mask_max_ps(mx3, mk[j + 3], mx3, _mm512_loadu_ps(ST + (j + 3) * 16));
-    }
-    const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx0, mx1), _mm512_max_ps(mx2, mx3));
-    const __m512 c2v = _mm512_set1_ps(c2);
-    const __mmask16 seen = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-    const __m512 mold = *m, mnew = _mm512_mask_max_ps(mold, seen, mold, _mm512_mul_ps(mx, c2v));
-    /* alpha = 2^(m - m'): 1 where the maximum stays (rows that have seen no key yet included: O, l zero), 0 on
-     * a row's first keys (m = -inf) */
-    const __mmask16 grew = _mm512_cmp_ps_mask(mnew, mold, _CMP_GT_OQ);
-    const __mmask16 first = _mm512_cmp_ps_mask(mold, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
-    __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew,
-                                  exp2h_512(_mm512_add_ps(_mm512_sub_ps(mold, mnew), _mm512_set1_ps(0.5f))));
-    a = _mm512_mask_mov_ps(a, grew & first, _mm512_setzero_ps());
-    _mm512_storeu_ps(alpha, a);
-    const __m512 mh = _mm512_sub_ps(mnew, _mm512_set1_ps(0.5f)); /* exp2h_512 takes 2^(y - 1/2) */
-    __m512 sum = _mm512_setzero_ps();
-    for (int j = 0; j < n; j += 2) {
-        const __m512 e0 = _mm512_maskz_mov_ps(mk[j], exp2h_512(_mm512_fmsub_ps(_mm512_loadu_ps(ST + j * 16), c2v, mh)));
-        const __m512 e1 = j + 1 < n ? _mm512_maskz_mov_ps(mk[j + 1], exp2h_512(_mm512_fmsub_ps(
-                                                                      _mm512_loadu_ps(ST + (j + 1) * 16), c2v, mh)))
-                                    : _mm512_setzero_ps();
-        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-        /* [e0 | e1] as 32 bfloat16, then interleaved into (e0[r], e1[r]) words */
-        const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
-        _mm512_storeu_si512(PT + (j / 2) * 16, _mm512_permutexvar_epi16(inter, pair));
-    }
-    *l = _mm512_add_ps(_mm512_mul_ps(*l, a), sum);
-    *m = mnew;
+    const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+    _mm512_storeu_si512((uint32_t *)PT + (j / 2) * 16, _mm512_permutexvar_epi16(inter, pair));
 }
+DEFINE_SOFTMAX_ROWS(softmax_rows, store_bf16_pair)
 
 /* O[r] = alpha[r] O[r] + sum over key pairs p < np of P[r][2p .. 2p + 1] V[2p .. 2p + 1] for RG rows
  * (P rows BK apart, O rows D apart), 64 dims at a time (16 accumulators). */

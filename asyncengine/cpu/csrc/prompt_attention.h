@@ -226,36 +226,61 @@ static inline __attribute__((always_inline)) int run_plan(const Plan *p, const C
     return rc;
 }
 
-/* Row r's online-softmax step over a block of nb <= 4 16-key groups of its scores sr (not yet scaled), keys
- * kb .. kb + 16 nb - 1, of which it sees lo .. pos (none with pos < 0: a padding row): e[n] = exp(scale S -
- * m') (zero on keys it does not see), *alpha = exp(m - m') (0 on its first block), m = m' and l = alpha l +
- * sum(e). Where it sees no key of the block, e is zero, *alpha = 1 and m, l stay. */
-static inline void softmax_step(const float *sr, int nb, int kb, int lo, int pos, float scale, float *m,
-                                float *l, float *alpha, __m512 e[4]) {
-    const __m512 sc = _mm512_set1_ps(scale);
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int n = 0; n < nb; n++) {
-        const __mmask16 mk = valid_keys(kb + 16 * n, lo, pos);
-        mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(mx, mk, _mm512_maskz_loadu_ps(mk, sr + 16 * n), sc));
+/* The online-softmax step of a query tile's 16 rows (one lane each) over n <= SOFTMAX_MAX_KEYS keys kb .. kb +
+ * n - 1 (n a multiple of 16) of S^T [key][16] (not yet scaled), in base 2: scores scaled by c2 = scale *
+ * log2(e), the running maxima m in those units, e = 2^(c2 S - m') as one fmsub and exp2h_512 (7
+ * instructions; relative error 1.7e-7). Every step is a vector over the rows: no horizontal reductions, no
+ * scalar code. Row r (position pos0 + r, r < nr) sees key j where lo(r) <= j <= pos0 + r. Writes alpha (the
+ * factor O is rescaled by), updates m and l, and hands each pair of keys' probabilities (j, j + 1; zero
+ * where a row does not see the key) to STORE(PT, j, e0, e1), which writes P^T in its kernel's layout. The
+ * bfloat16 and float32 kernels define theirs with DEFINE_SOFTMAX_ROWS. */
+#define SOFTMAX_MAX_KEYS 64
+#define DEFINE_SOFTMAX_ROWS(NAME, STORE)                                                                    \
+    static inline void NAME(const float *ST, int n, int kb, int pos0, int nr, int window, float c2, __m512 *m, \
+                            __m512 *l, float *alpha, void *PT) {                                             \
+        const unsigned rows = nr >= 16 ? 0xFFFFu : (1u << nr) - 1;                                          \
+        __mmask16 mk[SOFTMAX_MAX_KEYS];                                                                     \
+        for (int j = 0; j < n; j++) {                                                                       \
+            const int lo = kb + j - pos0; /* rows r >= lo see key kb + j (causal) */                        \
+            unsigned bits = lo <= 0 ? rows : lo >= 16 ? 0 : rows & ~((1u << lo) - 1);                       \
+            if (window > 0) { /* and rows r <= lo + window - 1 (the window) */                              \
+                const int hi = lo + window; /* rows below hi */                                             \
+                bits &= hi <= 0 ? 0 : hi >= 16 ? 0xFFFFu : (1u << hi) - 1;                                  \
+            }                                                                                               \
+            mk[j] = (__mmask16)bits;                                                                        \
+        }                                                                                                   \
+        /* four running maxima: one would chain n dependent vmaxps, ~10% of a block's time at n = 64 */     \
+        __m512 mx0 = _mm512_set1_ps(-INFINITY), mx1 = mx0, mx2 = mx0, mx3 = mx0;                            \
+        for (int j = 0; j < n; j += 4) {                                                                    \
+            mx0 = _mm512_mask_max_ps(mx0, mk[j], mx0, _mm512_loadu_ps(ST + j * 16));                        \
+            mx1 = _mm512_mask_max_ps(mx1, mk[j + 1], mx1, _mm512_loadu_ps(ST + (j + 1) * 16));              \
+            mx2 = _mm512_mask_max_ps(mx2, mk[j + 2], mx2, _mm512_loadu_ps(ST + (j + 2) * 16));              \
+            mx3 = _mm512_mask_max_ps(mx3, mk[j + 3], mx3, _mm512_loadu_ps(ST + (j + 3) * 16));              \
+        }                                                                                                   \
+        const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx0, mx1), _mm512_max_ps(mx2, mx3));                  \
+        const __m512 c2v = _mm512_set1_ps(c2);                                                              \
+        const __mmask16 seen = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);              \
+        const __m512 mold = *m, mnew = _mm512_mask_max_ps(mold, seen, mold, _mm512_mul_ps(mx, c2v));        \
+        /* alpha = 2^(m - m'): 1 where the maximum stays (rows that have seen no key yet included: O, l     \
+         * zero), 0 on a row's first keys (m = -inf) */                                                     \
+        const __mmask16 grew = _mm512_cmp_ps_mask(mnew, mold, _CMP_GT_OQ);                                  \
+        const __mmask16 first = _mm512_cmp_ps_mask(mold, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);            \
+        __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew,                                           \
+                                      exp2h_512(_mm512_add_ps(_mm512_sub_ps(mold, mnew), _mm512_set1_ps(0.5f)))); \
+        a = _mm512_mask_mov_ps(a, grew & first, _mm512_setzero_ps());                                       \
+        _mm512_storeu_ps(alpha, a);                                                                         \
+        const __m512 mh = _mm512_sub_ps(mnew, _mm512_set1_ps(0.5f)); /* exp2h_512 takes 2^(y - 1/2) */      \
+        __m512 sum = _mm512_setzero_ps();                                                                   \
+        for (int j = 0; j < n; j += 2) {                                                                    \
+            const __m512 e0 = _mm512_maskz_mov_ps(                                                          \
+                mk[j], exp2h_512(_mm512_fmsub_ps(_mm512_loadu_ps(ST + j * 16), c2v, mh)));                  \
+            const __m512 e1 = _mm512_maskz_mov_ps(                                                          \
+                mk[j + 1], exp2h_512(_mm512_fmsub_ps(_mm512_loadu_ps(ST + (j + 1) * 16), c2v, mh)));        \
+            sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));                                                \
+            STORE(PT, j, e0, e1);                                                                           \
+        }                                                                                                   \
+        *l = _mm512_add_ps(_mm512_mul_ps(*l, a), sum);                                                      \
+        *m = mnew;                                                                                          \
     }
-    const float bm = _mm512_reduce_max_ps(mx);
-    if (bm == -INFINITY) {
-        for (int n = 0; n < nb; n++) e[n] = _mm512_setzero_ps();
-        *alpha = 1.0f;
-        return;
-    }
-    const float mn = bm > *m ? bm : *m;
-    *alpha = expf(*m - mn);
-    const __m512 mv = _mm512_set1_ps(mn);
-    __m512 sum = _mm512_setzero_ps();
-    for (int n = 0; n < nb; n++) {
-        const __mmask16 mk = valid_keys(kb + 16 * n, lo, pos);
-        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + 16 * n), sc);
-        e[n] = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(x, mv)));
-        sum = _mm512_add_ps(sum, e[n]);
-    }
-    *l = *l * *alpha + _mm512_reduce_add_ps(sum);
-    *m = mn;
-}
 
 #endif
