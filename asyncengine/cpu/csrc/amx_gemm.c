@@ -117,7 +117,7 @@ static inline void store_rows(const float *acc, int rows, int cols, uint16_t *ou
     for (int r = 0; r < rows; r++)
         _mm256_mask_storeu_epi16(
             out + r * out_stride, mk,
-            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b)));
+            bf16_pack(_mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b)));
 }
 
 /* `rows` rows of two adjacent accumulator tiles + bias -> bfloat16, `cols` <= 32 columns: one 64-byte store
@@ -133,29 +133,28 @@ static inline void store_rows2(const float *acc0, const float *acc1, int rows, i
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bb, 1)), 16));
     }
     for (int r = 0; r < rows; r++) {
-        const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc0 + r * 16), b0));
-        const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc1 + r * 16), b1));
+        const __m256i lo = bf16_pack(_mm512_add_ps(_mm512_loadu_ps(acc0 + r * 16), b0));
+        const __m256i hi = bf16_pack(_mm512_add_ps(_mm512_loadu_ps(acc1 + r * 16), b1));
         _mm512_mask_storeu_epi16(out + r * out_stride, mk,
                                  _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
     }
 }
 
 /* `rows` rows of a gate and an up accumulator tile (+ their biases) -> 16 columns of T(silu(g)) * u with
- * g, u the bfloat16 projections: cpu_ops.c's silu_and_mul on the rounded GEMM output, bit for bit. */
-static inline __m512 round_bf16x16(__m512 v) { /* to bfloat16 and back (nearest even; NaN stays NaN) */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
+ * g, u the bfloat16 projections: cpu_ops.c's silu_and_mul on the rounded GEMM output, bit for bit. Every
+ * rounding here is cpu_common.h's bf16_pack / bf16_round, as in the plain stores above and in cpu_ops.c:
+ * torch's (vcvtneps2bf16 alone flushes a denormal to zero where torch keeps it). */
 static inline void store_gated(const float *acc_g, const float *acc_u, int rows, uint16_t *out,
                                long out_stride, const uint16_t *bias_g, const uint16_t *bias_u) {
     const __m512 bg = bias_g ? load16_bf16(bias_g, 0xFFFF) : _mm512_setzero_ps();
     const __m512 bu = bias_u ? load16_bf16(bias_u, 0xFFFF) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
-        const __m512 g = round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(acc_g + r * 16), bg));
-        const __m512 u = round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(acc_u + r * 16), bu));
+        const __m512 g = bf16_round(_mm512_add_ps(_mm512_loadu_ps(acc_g + r * 16), bg));
+        const __m512 u = bf16_round(_mm512_add_ps(_mm512_loadu_ps(acc_u + r * 16), bu));
         const __m512 a = _mm512_div_ps(
             g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
         _mm256_storeu_si256((__m256i *)(out + r * out_stride),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16x16(a), u)));
+                            bf16_pack(_mm512_mul_ps(bf16_round(a), u)));
     }
 }
 

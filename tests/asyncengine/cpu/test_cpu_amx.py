@@ -188,6 +188,18 @@ def test_gated_weight_gives_silu_and_mul_bit_for_bit(k: int, inter: int) -> None
 
 
 @needs_amx
+def test_gated_weight_keeps_denormals() -> None:
+    """Its roundings are torch's: a denormal silu(gate) * up is kept, as cpu_ops.silu_and_mul keeps it."""
+    from test_gated_weights import denormal_gate
+
+    w, x, bias = denormal_gate(64, 32, torch.bfloat16)
+    plain, gated = cpu_amx.pack(w), cpu_amx.pack(w, gated=True)
+    assert plain is not None and gated is not None
+    got, expected = cpu_amx.linear(x, gated, bias), cpu_ops.silu_and_mul(cpu_amx.linear(x, plain, bias))
+    assert (got != 0).all() and torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+@needs_amx
 def test_gated_mlp_packs_its_gate_up() -> None:
     """LlamaMLP.prepack fuses SiLU-and-mul into gate_up's GEMM; the layer's own prepack then keeps it."""
     from types import SimpleNamespace

@@ -50,6 +50,26 @@ def test_gated_weight_gives_silu_and_mul_bit_for_bit(dtype: torch.dtype, k: int,
             assert torch.equal(got.view(BITS[dtype]), expected.view(BITS[dtype])), (m, bias is None)
 
 
+def denormal_gate(k: int, inter: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A [gate | up] weight, its bias and rows x whose gate projections are 2e-38 (normal) and up ones 1:
+    silu(gate) * up is then ~1e-38, a denormal, which a rounding that flushes them (vcvtneps2bf16 alone)
+    zeroes and torch's keeps. (Through the bias: vdpbf16ps flushes denormal products itself.)"""
+    w = torch.zeros(2 * inter, k)
+    bias = torch.cat([torch.full((inter,), 2e-38), torch.ones(inter)])
+    return w.to(dtype), torch.randn(3, k).to(dtype), bias.to(dtype)
+
+
+@dtypes
+def test_gated_weight_keeps_denormals(dtype: torch.dtype) -> None:
+    needs_kernel(dtype)
+    w, x, bias = denormal_gate(64, 32, dtype)
+    plain, gated = PACK[dtype](w), PACK[dtype](w, gated=True)
+    assert plain is not None and gated is not None
+    got, expected = quant_gemm.linear(x, gated, bias), cpu_ops.silu_and_mul(quant_gemm.linear(x, plain, bias))
+    assert (got != 0).all() and got.abs().max() < 1.17e-38  # denormal, not flushed
+    assert torch.equal(got.view(BITS[dtype]), expected.view(BITS[dtype]))
+
+
 @dtypes
 def test_gated_mlp_matches_the_unfused_one(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     needs_kernel(dtype)
