@@ -300,13 +300,12 @@ static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u
     }
     if (moved_prev) scale_rows(O, D, nr, alpha_prev);
     while (ow.next < ow.total) output_step(&ow); /* the last block's P V */
-    /* out = bf16(O / sum) */
+    /* out = bf16(O / sum), rounded as torch rounds (bf16_pack keeps denormals) */
     for (int r = 0; r < nr; r++) {
         uint16_t *o = c->out + (long)(q_row + r0 + r) * c->out_stride + h * D;
         const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
         for (int d = 0; d < D; d += 16)
-            _mm256_storeu_si256((__m256i *)(o + d), (__m256i)_mm512_cvtneps_pbh(
-                                                        _mm512_mul_ps(_mm512_loadu_ps(O + r * D + d), inv)));
+            _mm256_storeu_si256((__m256i *)(o + d), bf16_pack(_mm512_mul_ps(_mm512_loadu_ps(O + r * D + d), inv)));
     }
 }
 

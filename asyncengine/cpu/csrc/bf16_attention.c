@@ -177,7 +177,7 @@ static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u
         const __m512 inv = _mm512_set1_ps(1.0f / lv[r]);
         for (int d = 0; d < D; d += 16) {
             const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(O + r * D + d), inv);
-            _mm256_storeu_si256((__m256i *)(o + d), (__m256i)_mm512_cvtneps_pbh(x));
+            _mm256_storeu_si256((__m256i *)(o + d), bf16_pack(x)); /* torch's rounding: denormals kept */
         }
     }
 }

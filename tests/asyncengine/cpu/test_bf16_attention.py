@@ -134,3 +134,21 @@ def test_float8_cache_routes_prompts_by_gather() -> None:
     got = CpuAttentionBackend().forward(q, k, v, kc8, vc8, meta, 0.125)
     ref = TorchAttentionBackend().forward(q, k, v, kc8, vc8, meta, 0.125)
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_a_denormal_output_is_kept() -> None:
+    """The output is rounded to bfloat16 as torch rounds (a denormal kept, not flushed to zero as
+    vcvtneps2bf16 alone would): uniform weights over one value of 2e-38 and 39 zeros average to 5e-40.
+    (A sum that turns denormal inside vdpbf16ps is flushed by the instruction itself: the values' sums
+    stay normal here, only the final division makes a denormal.)"""
+    n, heads, dim = 40, 2, 64
+    q = torch.zeros(n, heads, dim, dtype=torch.bfloat16)  # every score 0: P = 1 on every seen key
+    k = torch.randn(n, heads, dim).bfloat16()
+    v = torch.zeros(n, heads, dim, dtype=torch.bfloat16)
+    v[0] = 2e-38
+    out = torch.empty_like(q)
+    assert bf16_prompt_attention(q, k, v, out, [(0, n, 0, n)], dim**-0.5, None)
+    last = out[-1].float()  # row 39 sees all 40 keys
+    expected = v[:, 0, 0].double().mean()
+    assert 0 < expected.abs() < 1.17e-38
+    assert (last != 0).all() and torch.allclose(last.double(), expected.expand_as(last), rtol=2**-7)
