@@ -1,8 +1,8 @@
 /* What the prompt-attention kernels (amx_attention.c on AMX tiles, bf16_attention.c on AVX512-BF16,
  * f32_attention.c in float32) share: their call's arguments, the key masks, the 16 x 16 word transpose
- * that packs K, where a (sequence, KV head)'s packed K / V live, the work plan (validation, the per-thread
- * packing buffer, the costliest-first list of work items) and its run, and (the two without AMX) the
- * online softmax's row step. Each kernel packs and multiplies its own way. Included only where the build
+ * (of K for the tiles, of a query tile's rows for the other two), where a (sequence, KV head)'s packed K / V
+ * live, the work plan (validation, the packing buffers, the costliest-first list of work items) and its
+ * run, and (the two without AMX) the online softmax's step over a tile's 16 rows, DEFINE_SOFTMAX_ROWS. Each kernel packs and multiplies its own way. Included only where the build
  * has AVX-512; cpu/build.py hashes this file into every library's cache key. */
 #ifndef ASYNCENGINE_PROMPT_ATTENTION_H
 #define ASYNCENGINE_PROMPT_ATTENTION_H
