@@ -222,6 +222,19 @@ static inline __attribute__((always_inline)) void block_strip(int rows, const fl
     default: CALL(8); break;                                                                               \
     }
 
+/* ROWS_SWITCH for a CALL(rows, ...) that takes more arguments: the plain and gated tile loops' TILE */
+#define ROWS_SWITCH_ARGS(CALL, ...)                                                                        \
+    switch (rows) {                                                                                        \
+    case 1: CALL(1, __VA_ARGS__); break;                                                                   \
+    case 2: CALL(2, __VA_ARGS__); break;                                                                   \
+    case 3: CALL(3, __VA_ARGS__); break;                                                                   \
+    case 4: CALL(4, __VA_ARGS__); break;                                                                   \
+    case 5: CALL(5, __VA_ARGS__); break;                                                                   \
+    case 6: CALL(6, __VA_ARGS__); break;                                                                   \
+    case 7: CALL(7, __VA_ARGS__); break;                                                                   \
+    default: CALL(8, __VA_ARGS__); break;                                                                  \
+    }
+
 /* CALL(A, B, qtype) with qtype a constant (the code type's loops unroll with immediate shifts) */
 #define QTYPE_SWITCH(CALL, A, B)                                                                           \
     do {                                                                                                   \
@@ -311,8 +324,9 @@ static inline __attribute__((always_inline)) void tile_f32(int rows, int nb, con
 }
 
 /* Plain (bfloat16 or float32) weights, out = x W^T + b: tiles of NB_MAX blocks (the last tile narrower) x MT
- * rows through TILE, split over the threads by tile; at decode-sized M each later row tile prefetches a
- * share of the next tile's panel (next_share). XT: the activations' element type; OUT_BF16: the output's. */
+ * rows through TILE(rows, nb, x, wb, acc, pf) (tile_bf16 / tile_f32 with the function's x_stride, k_int
+ * and bstride), split over the threads by tile; at decode-sized M each later row tile prefetches a share
+ * of the next tile's panel (next_share). XT: the activations' element type; OUT_BF16: the output's. */
 #define DEFINE_PLAIN_WEIGHTS(NAME, TILE, XT, QTYPE, OUT_BF16)                                                \
     static int NAME(const void *x, long x_stride, const uint8_t *w, const void *bias, void *out,             \
                     long out_stride, int m, int n, int k_int, int num_threads) {                              \
@@ -331,11 +345,11 @@ static inline __attribute__((always_inline)) void tile_f32(int rows, int nb, con
                 const Span pf = next_share(next, (long)nb1 * bstride, r0 / MT, row_tiles);                  \
                 const XT *xr = (const XT *)x + (long)r0 * x_stride;                                         \
                 if (nb == 3) {                                                                              \
-                    ROWS_SWITCH(TILE##_3)                                                                   \
+                    ROWS_SWITCH_ARGS(TILE, 3, xr, wb, acc, pf)                                              \
                 } else if (nb == 2) {                                                                       \
-                    ROWS_SWITCH(TILE##_2)                                                                   \
+                    ROWS_SWITCH_ARGS(TILE, 2, xr, wb, acc, pf)                                              \
                 } else {                                                                                    \
-                    ROWS_SWITCH(TILE##_1)                                                                   \
+                    ROWS_SWITCH_ARGS(TILE, 1, xr, wb, acc, pf)                                              \
                 }                                                                                           \
                 for (int j = 0; j < nb; j++)                                                                \
                     store_tile(acc + j * MT, rows, r0, (b0 + j) * 16, n, out, out_stride, OUT_BF16, bias); \
@@ -343,9 +357,7 @@ static inline __attribute__((always_inline)) void tile_f32(int rows, int nb, con
         }                                                                                                   \
         return 0;                                                                                           \
     }
-#define F32_TILE_1(R) tile_f32(R, 1, xr, x_stride, k_int, wb, bstride, acc, pf)
-#define F32_TILE_2(R) tile_f32(R, 2, xr, x_stride, k_int, wb, bstride, acc, pf)
-#define F32_TILE_3(R) tile_f32(R, 3, xr, x_stride, k_int, wb, bstride, acc, pf)
+#define F32_TILE(R, NB, X, WB, ACC, PF) tile_f32(R, NB, X, x_stride, k_int, WB, bstride, ACC, PF)
 DEFINE_PLAIN_WEIGHTS(f32_weights, F32_TILE, float, QT_F32, 0)
 
 /* `rows` rows of a gate and an up accumulator block (+ their biases) -> 16 float32 columns of silu(g) * u:
@@ -366,13 +378,14 @@ __attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const
  * alternate gate and up (block 2i: gate rows 16i .. 16i + 15, block 2i + 1: the up rows of the same
  * outputs), so each 2-block tile holds both halves of 16 outputs and writes out [m, n / 2] = silu(gate) *
  * up straight from its accumulators: the GEMM's [m, n] output is never written nor read again by a
- * separate silu_and_mul pass. Each output sums over k in the same order as the plain kernel's. TILE(rows,
- * nb, x, wb, acc, pf): the plain kernel's tile (XT activations); STORE: the epilogue (OT outputs). */
+ * separate silu_and_mul pass. Each output sums over k in the same order as the plain kernel's. TILE: the
+ * plain kernel's (XT activations, QTYPE weights); STORE: the epilogue (OT outputs). */
 #define GATED_ROWS 6 /* rows of a two-pair tile: 4 blocks x 6 rows = 24 accumulators, as 3 x 8 */
-#define DEFINE_GATED_WEIGHTS(NAME, TILE, XT, OT, STORE)                                                     \
+#define DEFINE_GATED_WEIGHTS(NAME, TILE, XT, OT, QTYPE, STORE)                                              \
     static int NAME(const XT *x, long x_stride, const uint8_t *w, const OT *bias, OT *out, long out_stride,  \
-                    int m, int n, int k_int, int num_threads, long bstride) {                                \
+                    int m, int n, int k_int, int num_threads) {                                              \
         const int pairs = n / 32, inter = n / 2, tiles = (pairs + 1) / 2;                                   \
+        const long bstride = qgemm_step_bytes(k_int, QTYPE);                                                \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && tiles > 1)") \
         for (int t = 0; t < tiles; t++) {                                                                   \
             __m512 acc[4 * MT]; /* block j's row r at j * MT + r */                                         \
@@ -384,14 +397,7 @@ __attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const
                 for (int p = 0; p < np; p++) {                                                              \
                     const int rows = m, col = (2 * t + p) * 16;                                             \
                     const uint8_t *wp = wb + 2L * p * bstride;                                              \
-                    switch (rows) {                                                                         \
-                    case 3: TILE(3, 2, x, wp, acc, ((Span){0, 0})); break;                                  \
-                    case 4: TILE(4, 2, x, wp, acc, ((Span){0, 0})); break;                                  \
-                    case 5: TILE(5, 2, x, wp, acc, ((Span){0, 0})); break;                                  \
-                    case 6: TILE(6, 2, x, wp, acc, ((Span){0, 0})); break;                                  \
-                    case 7: TILE(7, 2, x, wp, acc, ((Span){0, 0})); break;                                  \
-                    default: TILE(8, 2, x, wp, acc, ((Span){0, 0})); break;                                 \
-                    }                                                                                       \
+                    ROWS_SWITCH_ARGS(TILE, 2, x, wp, acc, ((Span){0, 0}))                                   \
                     STORE(acc, acc + MT, rows, 0, col, out, out_stride, bias ? bias + col : NULL,           \
                           bias ? bias + inter + col : NULL);                                                \
                 }                                                                                           \
@@ -414,16 +420,7 @@ __attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const
                     default: TILE(6, 4, xr, wb, acc, pf); break;                                            \
                     }                                                                                       \
                 } else {                                                                                    \
-                    switch (rows) {                                                                         \
-                    case 1: TILE(1, 2, xr, wb, acc, pf); break;                                             \
-                    case 2: TILE(2, 2, xr, wb, acc, pf); break;                                             \
-                    case 3: TILE(3, 2, xr, wb, acc, pf); break;                                             \
-                    case 4: TILE(4, 2, xr, wb, acc, pf); break;                                             \
-                    case 5: TILE(5, 2, xr, wb, acc, pf); break;                                             \
-                    case 6: TILE(6, 2, xr, wb, acc, pf); break;                                             \
-                    case 7: TILE(7, 2, xr, wb, acc, pf); break;                                             \
-                    default: TILE(8, 2, xr, wb, acc, pf); break;                                            \
-                    }                                                                                       \
+                    ROWS_SWITCH_ARGS(TILE, 2, xr, wb, acc, pf)                                              \
                 }                                                                                           \
                 for (int p = 0; p < np; p++) {                                                              \
                     const int col = (2 * t + p) * 16;                                                       \
@@ -434,8 +431,7 @@ __attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const
         }                                                                                                   \
         return 0;                                                                                           \
     }
-#define F32_GATED_TILE(R, NB, X, WB, ACC, PF) tile_f32(R, NB, X, x_stride, k_int, WB, bstride, ACC, PF)
-DEFINE_GATED_WEIGHTS(f32_weights_gated, F32_GATED_TILE, float, float, store_gated_f32)
+DEFINE_GATED_WEIGHTS(f32_weights_gated, F32_TILE, float, float, QT_F32, store_gated_f32)
 
 #ifdef __AVX512BF16__
 #define HAVE_DPBF16 1
@@ -626,9 +622,7 @@ static void run_block(int b, const float *xs, int m, int n, int k_int, int gs, i
 #ifdef HAVE_DPBF16
 /* bfloat16 weights: tiles of NB_MAX blocks x MT rows (tile_bf16); x: bfloat16 rows x_stride apart, k_int
  * wide (gathered, or the caller's own when nothing is to be gathered). */
-#define BF16_TILE_1(R) tile_bf16(R, 1, xr, x_stride, k_int, wb, bstride, acc, pf)
-#define BF16_TILE_2(R) tile_bf16(R, 2, xr, x_stride, k_int, wb, bstride, acc, pf)
-#define BF16_TILE_3(R) tile_bf16(R, 3, xr, x_stride, k_int, wb, bstride, acc, pf)
+#define BF16_TILE(R, NB, X, WB, ACC, PF) tile_bf16(R, NB, X, x_stride, k_int, WB, bstride, ACC, PF)
 DEFINE_PLAIN_WEIGHTS(bf16_weights, BF16_TILE, uint16_t, QT_BF16, 1)
 
 /* `rows` rows of a gate and an up accumulator block (+ their biases) -> 16 columns of T(silu(g)) * u, with
@@ -647,8 +641,7 @@ __attribute__((noinline)) static void store_gated(const __m512 *acc_g, const __m
     }
 }
 
-#define BF16_GATED_TILE(R, NB, X, WB, ACC, PF) tile_bf16(R, NB, X, x_stride, k_int, WB, bstride, ACC, PF)
-DEFINE_GATED_WEIGHTS(bf16_weights_gated, BF16_GATED_TILE, uint16_t, uint16_t, store_gated)
+DEFINE_GATED_WEIGHTS(bf16_weights_gated, BF16_TILE, uint16_t, uint16_t, QT_BF16, store_gated)
 
 /* bfloat16 activations: gathered (permuted, zero-padded) as bfloat16 with their per-group sums, then
  * MT-row tiles per block through block_dp. */
@@ -967,7 +960,7 @@ int qgemm_bf16_gated(const void *x, long x_stride, const uint8_t *w, const void 
     if (n % 32) return -1;
     if (m <= 0) return 0;
     return bf16_weights_gated((const uint16_t *)x, x_stride, w, (const uint16_t *)bias, (uint16_t *)out, out_stride,
-                              m, n, k_int, num_threads, qgemm_step_bytes(k_int, QT_BF16));
+                              m, n, k_int, num_threads);
 #else
     (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride; (void)m; (void)n; (void)k_int;
     (void)num_threads;
@@ -983,7 +976,7 @@ int qgemm_f32_gated(const void *x, long x_stride, const uint8_t *w, const void *
     if (n % 32) return -1;
     if (m <= 0) return 0;
     return f32_weights_gated((const float *)x, x_stride, w, (const float *)bias, (float *)out, out_stride, m, n, k_int,
-                             num_threads, qgemm_step_bytes(k_int, QT_F32));
+                             num_threads);
 #else
     (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride; (void)m; (void)n; (void)k_int;
     (void)num_threads;
