@@ -40,12 +40,6 @@
 
 int bf16_attention_available(void) { return 1; }
 
-/* Keys ahead whose K / V rows pack_kv prefetches: it reads them from the cache in place (a row per key
- * and KV head, 128 bytes at D = 64, a whole token's heads apart), written by the step's KV write and
- * often in L3 or DRAM by now. A step of the sweep's 16-1024-token prompts with its cache out of L3: 18.8
- * ms a layer at 8 keys ahead, 17.5-17.6 at 32 and 64 (AMD Zen 5, 2 threads). */
-#define PACK_AHEAD 32
-
 /* Sequence s, KV head g: its keys into kt ([key][D], keys rounded up to 16) and its values into vt ([key
  * pair][D][2], keys rounded up to 32), zero past its length. */
 static void pack_kv(const Call *c, int s, int g, Unit u) {

@@ -38,7 +38,6 @@
 #define BK 64 /* keys per softmax block: S^T (4 KiB) and P^T stay in L1 */
 #define RG 4  /* query rows per register block of the p.v product */
 #define MAX_HEAD_DIM 256
-#define PACK_AHEAD 32 /* keys ahead whose K / V rows pack_kv prefetches (as bf16_attention.c's) */
 
 int f32_attention_available(void) { return 1; }
 
