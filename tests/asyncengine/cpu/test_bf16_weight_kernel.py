@@ -40,17 +40,21 @@ def test_matches_float64(portable: bool, n: int, k: int, m: int, act: torch.dtyp
         torch.testing.assert_close(y.double(), want, atol=2e-2, rtol=1 / 128)
 
 
-def test_strided_rows_and_batch_invariance() -> None:
-    gen = torch.Generator().manual_seed(1)
-    w = torch.randn(64, 96, generator=gen).bfloat16()
-    packed = quant_gemm.pack_bf16(w)
-    assert packed is not None
-    wide = torch.randn(20, 200, generator=gen).bfloat16()
-    x = wide[:, 10:106]  # rows 200 apart: read in place, no gather
+def check_strided_rows_and_batch_invariance(packed: quant_gemm.QuantWeight, wide: torch.Tensor) -> None:
+    """Rows of `wide`'s columns 10 .. 10 + K (200 apart: read in place, no gather) give the bits of the same
+    rows made contiguous, and a row alone the bits it has in the batch (its tile, its neighbours aside)."""
+    x = wide[:, 10 : 10 + packed.in_features]
     y = quant_gemm.linear(x, packed, None)
     assert torch.equal(y, quant_gemm.linear(x.contiguous(), packed, None))
-    for i in (0, 7, 8, 19):  # a row's bits do not depend on its tile or on the batch around it
+    for i in (0, 7, 8, x.shape[0] - 1):
         assert torch.equal(quant_gemm.linear(x[i : i + 1], packed, None), y[i : i + 1])
+
+
+def test_strided_rows_and_batch_invariance() -> None:
+    gen = torch.Generator().manual_seed(1)
+    packed = quant_gemm.pack_bf16(torch.randn(64, 96, generator=gen).bfloat16())
+    assert packed is not None
+    check_strided_rows_and_batch_invariance(packed, torch.randn(20, 200, generator=gen).bfloat16())
 
 
 def test_bfloat16_rounding_and_nan_as_the_scalar_path() -> None:

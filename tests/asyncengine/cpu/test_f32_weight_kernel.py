@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_bf16_weight_kernel import check_strided_rows_and_batch_invariance
 
 from asyncengine.cpu import quant_gemm
 
@@ -36,15 +37,9 @@ def test_matches_float64(n: int, k: int, m: int, bias: bool) -> None:
 
 def test_strided_rows_and_batch_invariance() -> None:
     gen = torch.Generator().manual_seed(1)
-    w = torch.randn(100, 96, generator=gen)
-    packed = quant_gemm.pack_f32(w)
+    packed = quant_gemm.pack_f32(torch.randn(100, 96, generator=gen))
     assert packed is not None
-    wide = torch.randn(70, 200, generator=gen)
-    x = wide[:, 10:106]  # rows 200 apart: read in place
-    y = quant_gemm.linear(x, packed, None)
-    assert torch.equal(y, quant_gemm.linear(x.contiguous(), packed, None))
-    for i in (0, 7, 8, 69):  # a row's bits do not depend on its tile or on the batch around it
-        assert torch.equal(quant_gemm.linear(x[i : i + 1], packed, None), y[i : i + 1])
+    check_strided_rows_and_batch_invariance(packed, torch.randn(70, 200, generator=gen))
 
 
 def test_bfloat16_activations_are_widened() -> None:

@@ -64,7 +64,7 @@ def decode_inputs(runner: ModelRunner, seqs: list[SeqState], step: int) -> Model
         ("llama", {"num_key_value_heads": 1, "hidden_size": 128}, True, "bfloat16"),  # GQA 4:1
         # q/k norms run as torch ops on [T, heads, D] views: more than a replay repeats, so eager throughout
         ("qwen3", {"head_dim": 32}, False, "bfloat16"),
-        # float32 linears on the quantized kernel's float32 tiles (AVX-512), a separate SiLU-and-mul op
+        # float32 linears on the quantized kernel's float32 tiles (AVX-512), SiLU-and-mul in the gated GEMM
         ("llama", {}, True, "float32"),
     ],
 )
