@@ -236,16 +236,7 @@ async def test_cancel_and_disconnect_free_kv_blocks(server: ServerProcess) -> No
     long = {"max_tokens": 1000, "ignore_eos": True}  # far longer than any of the waits below
     aborts = metric(server, ABORTS)
     async with ws_connect(server) as ws:
-        await ws.send(
-            json.dumps({"type": "generate", "request_id": "c", "prompt": "cancel me", "params": long})
-        )
-        for _ in range(3):
-            assert json.loads(await ws.recv())["type"] == "delta"
-        assert metric(server, "kv_cache_free_blocks") < NUM_KV_BLOCKS
-        await ws.send(json.dumps({"type": "cancel", "request_id": "c"}))
-        while (frame := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] == "delta":
-            pass
-        assert frame["type"] == "done" and frame["finish_reason"] == "abort"
+        await cancel_a_running_request(server, ws, long)
         aborts = await asyncio.to_thread(wait_aborted, server, aborts)
         await ws.send(
             json.dumps({"type": "generate", "request_id": "gone", "prompt": "close", "params": long})
@@ -262,6 +253,33 @@ async def test_cancel_and_disconnect_free_kv_blocks(server: ServerProcess) -> No
     aborts = await asyncio.to_thread(wait_aborted, server, aborts)
     await give_up_on_a_running_request(server, {"prompt": "slow", **long})
     await asyncio.to_thread(wait_aborted, server, aborts)
+
+
+async def cancel_a_running_request(server: ServerProcess, ws, params: dict) -> None:
+    """Sends "cancel" for a request the server is running: its stream ends with finish_reason "abort". The
+    deltas wait in the socket's buffers, so on a loaded machine the tiny model can finish all its tokens
+    (max_model_len caps them at ~1000) before the client has read one delta and sent the cancel (seen in
+    CI, 2026-12-07). Such an attempt cancelled nothing (the server answers the late cancel with an error
+    frame) and is tried again; one that ends in "abort" must have held KV blocks when its first delta
+    was read."""
+    for attempt in range(5):
+        rid = f"cancel-{attempt}"
+        await ws.send(
+            json.dumps({"type": "generate", "request_id": rid, "prompt": "cancel me", "params": params})
+        )
+        assert json.loads(await ws.recv())["type"] == "delta"
+        held = metric(server, "kv_cache_free_blocks") < NUM_KV_BLOCKS
+        await ws.send(json.dumps({"type": "cancel", "request_id": rid}))
+        while (frame := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] == "delta":
+            pass
+        assert frame["type"] == "done" and frame["request_id"] == rid
+        if frame["finish_reason"] == "abort":
+            assert held
+            return
+        assert frame["finish_reason"] == "length"  # it finished before the cancel reached it
+        late = json.loads(await asyncio.wait_for(ws.recv(), 30))
+        assert late["type"] == "error" and late["request_id"] == rid, late
+    pytest.fail("every request finished before its cancel reached the server")
 
 
 async def give_up_on_a_running_request(server: ServerProcess, payload: dict) -> None:
