@@ -6,6 +6,7 @@
     python bench/decode_step.py --dtypes bfloat16 --kv-cache-dtypes auto fp8_e5m2 \
   # float8 K/V: half the reads
     python bench/decode_step.py --block-sizes 16 64   # KV-cache block sizes side by side
+    python bench/decode_step.py --model gqa4k         # another of bench/common.py's models
 
 Drives a ModelRunner directly (no engine, no sockets) on the bench's "medium" Llama (~100M, hidden
 768, 12 layers): a prefill of `batch` random prompts of `context` tokens, then timed greedy decode
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from common import (
+    MODEL_SPECS,
     OUT,
     STREAM_BYTES,
     build_model,
@@ -211,6 +213,9 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--model", default="medium", choices=sorted(MODEL_SPECS), help="bench/common.py's model spec"
+    )
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     info = machine_info()
-    model = build_model("medium")
+    model = build_model(args.model)
     rate = STREAM_BYTES / stream_read_seconds()
     runs = [(d, kv, b) for d in args.dtypes for kv in args.kv_cache_dtypes for b in args.block_sizes]
     results = [
@@ -255,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
     print(
-        f"\nmedium model, batch {args.batch}, context ~{args.context}, {args.threads} threads; "
+        f"\n{args.model} model, batch {args.batch}, context ~{args.context}, {args.threads} threads; "
         f"streaming read {rate / 1e9:.1f} GB/s; {load_line(info)}"
     )
     print(

@@ -8,7 +8,8 @@ AMX) or csrc/amx_attention.c (AMX tiles), in float32 csrc/f32_attention.c (AVX-5
                                                      # engine has no switch for AMX attention alone)
     python bench/prompt_attention.py --kernel f32    # the float32 kernel, then its end-to-end A/B
 
-Kernel rows: one causal prompt of L tokens, 12 heads x head_dim 64 (the bench's medium model), --threads
+Kernel rows: one causal prompt of L tokens, 12 heads x head_dim 64 (the bench's medium model; --heads and
+--head-dim for others), --threads
 threads; GF/s count the causal half only (2 products x 2 flops x H x D x L (L + 1) / 2), the same for
 both; each figure is the fastest of --repeat calls, the two paths timed alternately (the machine is
 shared: read the ratio). "step" rows: several prompts in one kernel call against one SDPA call each,
@@ -106,9 +107,10 @@ def time_case(lens: list[int], heads: int, dim: int, repeat: int, which: str = "
     return ts, tk
 
 
-def kernel_rows(threads: int, repeat: int, which: str = "bf16") -> list[list[object]]:
+def kernel_rows(
+    threads: int, repeat: int, which: str = "bf16", heads: int = 12, dim: int = 64
+) -> list[list[object]]:
     torch.set_num_threads(threads)
-    heads, dim = 12, 64
     cases = [[n] for n in (256, 512, 1024, 2048)] + [[512, 1024, 1536, 2048], [256] * 8]
     rows = []
     for lens in cases:
@@ -160,15 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-gib", type=float, default=2.0, help="KV cache of each of the two engines")
     p.add_argument("--no-e2e", action="store_true")
     p.add_argument("--kernel", choices=sorted(KERNELS), default="bf16")
+    p.add_argument("--heads", type=int, default=12, help="kernel rows: query heads (as many KV heads)")
+    p.add_argument("--head-dim", type=int, default=64, help="kernel rows: head_dim")
     args = p.parse_args(argv)
     kernel = KERNELS[args.kernel]
     if kernel.load() is None:
         print(f"no {kernel.needs} on this CPU (or no C compiler)")
         return 1
     dtype = str(kernel.dtype).removeprefix("torch.")
-    print(f"{dtype} causal prompt attention ({args.kernel} kernel), 12 heads x 64, {args.threads} threads")
+    print(
+        f"{dtype} causal prompt attention ({args.kernel} kernel), {args.heads} heads x {args.head_dim}, "
+        f"{args.threads} threads"
+    )
     headers = ["prompts", "SDPA ms", "kernel ms", "SDPA GF/s", "kernel GF/s", "speed-up"]
-    print(table(headers, kernel_rows(args.threads, args.repeat, args.kernel)))
+    rows = kernel_rows(args.threads, args.repeat, args.kernel, args.heads, args.head_dim)
+    print(table(headers, rows))
     if not args.no_e2e and kernel.switch is not None:
         print(
             f"\nprefill-only, p512-2048 (64 prompts, max_tokens=1), medium4k {dtype}, {args.threads} threads"

@@ -39,7 +39,7 @@ def _prompt_kernel(
 ) -> bool:
     """The prompt chunks `seqs` by a C kernel: in bfloat16 AMX first, then AVX512-BF16, in float32 the
     AVX-512 one (each declines, writing nothing, where it does not apply: the AVX512-BF16 one only takes
-    head_dim 64 and 128); False: SDPA's turn."""
+    head_dim multiples of 32 up to 256); False: SDPA's turn."""
     args = (q, k, v, out, seqs, scale, sliding_window, tables)
     return amx_prompt_attention(*args) or bf16_prompt_attention(*args) or f32_prompt_attention(*args)
 

@@ -36,7 +36,7 @@
 #define QT 16 /* query rows per work item */
 #define BK 64 /* keys per softmax block: S^T (4 KiB), P^T and the block's K and V stay in L1 */
 #define RG 4  /* query rows per register block */
-#define MAX_HEAD_DIM 128
+#define MAX_HEAD_DIM 256 /* any multiple of 32 up to this: whole 16 x 16 word transposes of Q */
 
 int bf16_attention_available(void) { return 1; }
 
@@ -50,7 +50,7 @@ static void pack_kv(const Call *c, int s, int g, Unit u) {
         uint16_t *row = kt + (size_t)j * D;
         if (j + PACK_AHEAD < len) prefetch_bytes(k + key_row(c, s, j + PACK_AHEAD) * c->k_stride, 2 * D);
         const uint16_t *src = j < len ? k + key_row(c, s, j) * c->k_stride : NULL;
-        for (int d = 0; d < D; d += 32) /* D is 64 or 128: whole vectors */
+        for (int d = 0; d < D; d += 32) /* D a multiple of 32: whole vectors */
             _mm512_storeu_si512(row + d, src ? _mm512_loadu_si512(src + d) : _mm512_setzero_si512());
     }
     /* clang-format off */
@@ -104,34 +104,42 @@ static inline void store_bf16_pair(void *PT, int j, __m512 e0, __m512 e1) {
 DEFINE_SOFTMAX_ROWS(softmax_rows, store_bf16_pair)
 
 /* O[r] = alpha[r] O[r] + sum over key pairs p < np of P[r][2p .. 2p + 1] V[2p .. 2p + 1] for RG rows
- * (P rows BK apart, O rows D apart), 64 dims at a time (16 accumulators). */
+ * (P rows BK apart, O rows D apart) and the NV x 16 dims from d0 (NV x RG accumulators). */
+static inline __attribute__((always_inline)) void pv_chunk(const int NV, const uint32_t *PT, int r0,
+                                                           const uint16_t *vt, int D, int d0, int np, float *O,
+                                                           const float *alpha) {
+    __m512 acc[RG][4];
+    for (int r = 0; r < RG; r++) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        const float *o = O + r * D + d0;
+        for (int j = 0; j < NV; j++) acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * j), a);
+    }
+    for (int p = 0; p < np; p++) {
+        __m512bh vv[4];
+        for (int j = 0; j < NV; j++) {
+            vv[j] = (__m512bh)_mm512_loadu_si512(vt + (size_t)p * 2 * D + 2 * d0 + 32 * j);
+            KEEP_IN_REGISTER(vv[j]);
+        }
+        for (int r = 0; r < RG; r++) {
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)PT[p * 16 + r0 + r]);
+            for (int j = 0; j < NV; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pb, vv[j]);
+        }
+    }
+    for (int r = 0; r < RG; r++)
+        for (int j = 0; j < NV; j++) _mm512_storeu_ps(O + r * D + d0 + 16 * j, acc[r][j]);
+}
+
+/* pv_chunk over the head, 64 dims at a time (16 accumulators), the last 32 on their own where D is an odd
+ * multiple of 32. */
 static inline void pv_block(const uint32_t *PT, int r0, const uint16_t *vt, int D, int np, float *O,
                             const float *alpha) {
-    for (int d0 = 0; d0 < D; d0 += 64) {
-        __m512 acc[RG][4];
-        for (int r = 0; r < RG; r++) {
-            const __m512 a = _mm512_set1_ps(alpha[r]);
-            const float *o = O + r * D + d0;
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * j), a);
-        }
-        for (int p = 0; p < np; p++) {
-            __m512bh vv[4];
-            for (int j = 0; j < 4; j++) {
-                vv[j] = (__m512bh)_mm512_loadu_si512(vt + (size_t)p * 2 * D + 2 * d0 + 32 * j);
-                KEEP_IN_REGISTER(vv[j]);
-            }
-            for (int r = 0; r < RG; r++) {
-                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)PT[p * 16 + r0 + r]);
-                for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pb, vv[j]);
-            }
-        }
-        for (int r = 0; r < RG; r++)
-            for (int j = 0; j < 4; j++) _mm512_storeu_ps(O + r * D + d0 + 16 * j, acc[r][j]);
-    }
+    int d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) pv_chunk(4, PT, r0, vt, D, d0, np, O, alpha);
+    if (d0 < D) pv_chunk(2, PT, r0, vt, D, d0, np, O, alpha);
 }
 
 /* Query rows QT t .. QT t + QT - 1 of sequence s, head h, over the packed keys kt / values vt of its KV
- * head. The scratch (18 KiB at D = 128) lives on the stack: L1-resident, nothing to allocate. */
+ * head. The scratch (30 KiB at D = 256) lives on the stack: L1-resident, nothing to allocate. */
 static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u) {
     (void)scratch; /* on the stack, below */
     const uint16_t *kt = u.k, *vt = u.v;
@@ -156,10 +164,12 @@ static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u
     memset(O, 0, sizeof(float) * groups * RG * D);
     for (int kb = first / 16 * 16; kb < end; kb += BK) {
         const int n = end - kb < BK ? end - kb : BK, n16 = (n + 15) / 16;
-        if (D == 64)
+        if (D == 64) /* the usual sizes with their loops unrolled */
             qk_rows(QTw, 64, kt + (size_t)kb * D, ST, n16);
-        else
+        else if (D == 128)
             qk_rows(QTw, 128, kt + (size_t)kb * D, ST, n16);
+        else
+            qk_rows(QTw, D, kt + (size_t)kb * D, ST, n16);
         softmax_rows(ST, n16 * 16, kb, pos0, nr, window, c2, &m, &l, alpha, PT);
         /* the values of this block's keys start at key pair kb / 2 */
         for (int g = 0; g < groups; g++)
@@ -176,19 +186,19 @@ static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u
     }
 }
 
-/* The arguments and results of amx_attention_bf16 (amx_attention.c), for D = 64 or 128:
+/* The arguments and results of amx_attention_bf16 (amx_attention.c), for D a multiple of 32 up to 256:
  * seqs: [num_seqs][4] = first query row, query rows, first key row, key rows (rows of q/out and of k/v).
  * q, out [rows, H * D], k, v [rows, Hkv * D], each with its row stride in elements.
  * tables (or NULL): the keys are read in place from a paged cache, k / v its [blocks * block_size,
  * Hkv * D] rows; a sequence's third field is then the row of `tables` that holds its block table.
- * Returns 0; -1 for an unsupported shape (D not 64 or 128, H not a multiple of Hkv, more query than key
+ * Returns 0; -1 for an unsupported shape (D not a multiple of 32 up to 256, H not a multiple of Hkv, more query than key
  * rows); -2 when scratch cannot be allocated. The work split is prompt_attention.h's plan_work. */
 int bf16_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long k_stride, const uint16_t *v,
                         long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs,
                         const int *tables, int table_stride, int block_size, int H, int Hkv, int D,
                         float scale, int window, int num_threads) {
     if (tables && block_size <= 0) return -1;
-    if (D != 64 && D != 128) return -1;
+    if (D <= 0 || D % 32 || D > MAX_HEAD_DIM) return -1;
     Plan p;
     const int rc = plan_work(seqs, num_seqs, H, Hkv, D, QT, num_threads, &p);
     if (rc) {

@@ -4,6 +4,7 @@ does)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -28,9 +29,15 @@ PROMPT_LENS = [
 ]
 
 
-@pytest.mark.parametrize("heads", [(12, 12), (12, 2), (12, 1)])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("window", [None, 7, 40, 100])
+# (heads, KV heads), head_dim, window: 64 and 128 (the unrolled loops) in every combination; the other
+# multiples of 32 (the generic loops, a 32-dim P V tail where head_dim % 64 == 32) in fewer
+SHAPES = [
+    *itertools.product([(12, 12), (12, 2), (12, 1)], [64, 128], [None, 7, 40, 100]),
+    *itertools.product([(8, 8), (8, 2)], [32, 96, 160, 256], [None, 40]),
+]
+
+
+@pytest.mark.parametrize("heads,head_dim,window", SHAPES)
 @pytest.mark.parametrize("lens", PROMPT_LENS)
 def test_matches_sdpa_and_is_as_accurate(heads, head_dim, window, lens) -> None:
     q, k, v, out, seqs = run_prompts(bf16_prompt_attention, lens, heads, head_dim, window)
@@ -52,8 +59,9 @@ def test_rows_outside_the_call_are_untouched_and_a_row_is_batch_independent() ->
 
 
 def test_declines_what_it_does_not_cover(monkeypatch) -> None:
-    q = torch.randn(8, 2, 96).to(torch.bfloat16)  # head_dim not 64 or 128: SDPA keeps it
-    assert not bf16_prompt_attention(q, q, q, torch.empty_like(q), [(0, 8, 0, 8)], 0.1, None)
+    for dim in (48, 80, 288):  # head_dim not a multiple of 32 up to 256: SDPA keeps it
+        q = torch.randn(8, 2, dim).to(torch.bfloat16)
+        assert not bf16_prompt_attention(q, q, q, torch.empty_like(q), [(0, 8, 0, 8)], 0.1, None)
     q32 = torch.randn(8, 2, 64)  # float32
     assert not bf16_prompt_attention(q32, q32, q32, torch.empty_like(q32), [(0, 8, 0, 8)], 0.1, None)
     monkeypatch.setenv(ENV, "0")  # the switch the benches' A/B use
@@ -89,7 +97,7 @@ def check_paged_keys(
         check(paged[s : s + n], q[s : s + n], keys, values, window)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 @pytest.mark.parametrize("window", [None, 20])
 def test_paged_keys_match_gathered_ones(head_dim, window) -> None:
     check_paged_keys(bf16_prompt_attention, torch.bfloat16, head_dim, window, check)
