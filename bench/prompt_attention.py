@@ -7,6 +7,8 @@ AMX) or csrc/amx_attention.c (AMX tiles), in float32 csrc/f32_attention.c (AVX-5
     python bench/prompt_attention.py --kernel amx    # the AMX kernel's rows (no end-to-end A/B: the
                                                      # engine has no switch for AMX attention alone)
     python bench/prompt_attention.py --kernel f32    # the float32 kernel, then its end-to-end A/B
+    python bench/prompt_attention.py --heads 24 --head-dim 32 --e2e-model default
+                                                     # the bundled default model's head_dim
 
 Kernel rows: one causal prompt of L tokens, 12 heads x head_dim 64 (the bench's medium model; --heads and
 --head-dim for others), --threads
@@ -19,14 +21,17 @@ End-to-end: asyncengine LLM.generate of bench/sweep.py's cell "p512-2048/prefill
 512-2048 tokens, max_tokens=1, cold prefix cache), model medium4k in the kernel's dtype, --threads
 threads. Two engines stay loaded, one with the kernel and one with its switch off
 (ASYNCENGINE_CPU_BF16_ATTENTION=0 or ASYNCENGINE_CPU_F32_ATTENTION=0: the SDPA path; the variable is read
-in the worker processes, set when each engine spawns them), and the runs alternate.
+in the worker processes, set when each engine spawns them), and the runs alternate. --e2e-model default:
+the bundled default model (head_dim 32) instead, 64 prompts of 16-1000 random tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -154,6 +159,42 @@ def e2e_rows(threads: int, rounds: int, kv_gib: float, kernel: Kernel) -> list[l
     return rows
 
 
+def default_model_rows(threads: int, rounds: int, kernel: Kernel) -> list[list[object]]:
+    """The bundled default model (head_dim 32) in the kernel's dtype: prefill-only, 64 prompts of 16-1000
+    random tokens, the kernel on and off (two engines, alternated; each round's prompts start with a token
+    of their own, so that no round hits the prefix cache of the one before)."""
+    from asyncengine import LLM, SamplingParams
+    from asyncengine.config import default_model_path
+
+    rng = random.Random(0)
+    lens = [int(round(math.exp(rng.uniform(math.log(16), math.log(1000))))) for _ in range(64)]
+    prompts = [[rng.randrange(3, 4096) for _ in range(n)] for n in lens]
+    dtype = str(kernel.dtype).removeprefix("torch.")
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
+    engines = {}
+    try:
+        for mode, value in (("kernel", "1"), ("sdpa", "0")):
+            os.environ[kernel.switch] = value  # inherited by the worker processes this engine spawns
+            engines[mode] = LLM(model=default_model_path(), dtype=dtype, num_threads=threads)
+            engines[mode].generate(prompts[:4], greedy)  # untimed
+        os.environ.pop(kernel.switch)
+        for r in range(rounds):
+            batch = [[3 + r] + p[1:] for p in prompts]
+            for mode, llm in engines.items():
+                t0 = time.perf_counter()
+                llm.generate(batch, greedy)
+                times[mode].append(time.perf_counter() - t0)
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    rows = []
+    for mode, ts in times.items():
+        med = statistics.median(ts)
+        rows.append([mode, min(ts), med, sum(lens) / med, statistics.median(times["sdpa"]) / med])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -164,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel", choices=sorted(KERNELS), default="bf16")
     p.add_argument("--heads", type=int, default=12, help="kernel rows: query heads (as many KV heads)")
     p.add_argument("--head-dim", type=int, default=64, help="kernel rows: head_dim")
+    p.add_argument(
+        "--e2e-model",
+        choices=["medium4k", "default"],
+        default="medium4k",
+        help="end-to-end: the sweep's model, or the bundled default model (head_dim 32)",
+    )
     args = p.parse_args(argv)
     kernel = KERNELS[args.kernel]
     if kernel.load() is None:
@@ -177,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     headers = ["prompts", "SDPA ms", "kernel ms", "SDPA GF/s", "kernel GF/s", "speed-up"]
     rows = kernel_rows(args.threads, args.repeat, args.kernel, args.heads, args.head_dim)
     print(table(headers, rows))
-    if not args.no_e2e and kernel.switch is not None:
+    if not args.no_e2e and kernel.switch is not None and args.e2e_model == "default":
+        print(f"\nprefill-only, 64 prompts of 16-1000 tokens, the bundled default model, {dtype}")
+        headers = ["attention", "best s", "median s", "prompt tok/s", "speed-up"]
+        print(table(headers, default_model_rows(args.threads, args.rounds, kernel)))
+    elif not args.no_e2e and kernel.switch is not None:
         print(
             f"\nprefill-only, p512-2048 (64 prompts, max_tokens=1), medium4k {dtype}, {args.threads} threads"
         )
