@@ -105,11 +105,12 @@ def test_paged_keys_match_gathered_ones(head_dim, window) -> None:
 
 @pytest.mark.skipif(load_amx_library() is not None, reason="with AMX the backend takes amx_attention.c")
 @pytest.mark.parametrize("query_lens,context_lens", [([40, 1, 23], [0, 30, 0]), ([20, 17, 100], [16, 50, 0])])
-def test_backend_routes_prompts_to_the_kernel(query_lens, context_lens, monkeypatch) -> None:
+@pytest.mark.parametrize("head_dim", [32, 64])  # 32: the bundled default model's, on the generic loops
+def test_backend_routes_prompts_to_the_kernel(query_lens, context_lens, head_dim, monkeypatch) -> None:
     """The backend's dense rows go to the kernel (one call, through the block tables) next to decode rows
     of the paged kernel: close to the reference backend, and not what the SDPA fallback gives bit for bit
     (so the kernel did run); with the switch off, the SDPA path."""
-    check_backend_routing(query_lens, context_lens, torch.bfloat16, ENV, 2e-2, 2e-2, monkeypatch)
+    check_backend_routing(query_lens, context_lens, torch.bfloat16, ENV, 2e-2, 2e-2, monkeypatch, head_dim)
 
 
 def check_backend_routing(
@@ -120,16 +121,18 @@ def check_backend_routing(
     atol: float,
     rtol: float,
     monkeypatch: pytest.MonkeyPatch,
+    head_dim: int = 64,
 ) -> None:
     """The backend's output for a batch of prompt chunks (after `context_lens` cached tokens) and decode
     rows: close to the reference backend's with the prompt kernel (switch `env`) on and off, and not equal
     bit for bit between the two (the kernel ran). The float32 kernel's test calls this too."""
-    q, k, v, kc, vc, meta = build_batch(query_lens, context_lens, 8, 2, 64, 16, dtype)
-    got = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
-    ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
+    q, k, v, kc, vc, meta = build_batch(query_lens, context_lens, 8, 2, head_dim, 16, dtype)
+    scale = head_dim**-0.5
+    got = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, scale)
+    ref = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, scale)
     torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
     monkeypatch.setenv(env, "0")
-    sdpa = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.125)
+    sdpa = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, scale)
     torch.testing.assert_close(sdpa, ref, atol=atol, rtol=rtol)
     assert not torch.equal(got, sdpa)
 
