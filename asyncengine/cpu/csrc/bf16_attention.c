@@ -191,8 +191,9 @@ static void query_tile(const Call *c, void *scratch, int s, int h, int t, Unit u
  * q, out [rows, H * D], k, v [rows, Hkv * D], each with its row stride in elements.
  * tables (or NULL): the keys are read in place from a paged cache, k / v its [blocks * block_size,
  * Hkv * D] rows; a sequence's third field is then the row of `tables` that holds its block table.
- * Returns 0; -1 for an unsupported shape (D not a multiple of 32 up to 256, H not a multiple of Hkv, more query than key
- * rows); -2 when scratch cannot be allocated. The work split is prompt_attention.h's plan_work. */
+ * Returns 0; -1 for an unsupported shape (D not a multiple of 32 up to 256, H not a multiple of Hkv, more
+ * query than key rows); -2 when scratch cannot be allocated. The work split is prompt_attention.h's
+ * plan_work. */
 int bf16_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k, long k_stride, const uint16_t *v,
                         long v_stride, uint16_t *out, long out_stride, const int *seqs, int num_seqs,
                         const int *tables, int table_stride, int block_size, int H, int Hkv, int D,
