@@ -22,16 +22,15 @@ End-to-end: asyncengine LLM.generate of bench/sweep.py's cell "p512-2048/prefill
 threads. Two engines stay loaded, one with the kernel and one with its switch off
 (ASYNCENGINE_CPU_BF16_ATTENTION=0 or ASYNCENGINE_CPU_F32_ATTENTION=0: the SDPA path; the variable is read
 in the worker processes, set when each engine spawns them), and the runs alternate. --e2e-model default:
-the bundled default model (head_dim 32) instead, 64 prompts of 16-1000 random tokens.
+the bundled default model (head_dim 32) and the cell "p16-1024/prefill" instead (bench/sweep.py --model
+default: the cells that fit its 1,024 positions).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
-import random
 import statistics
 import sys
 import time
@@ -126,13 +125,19 @@ def kernel_rows(
     return rows
 
 
-def e2e_rows(threads: int, rounds: int, kv_gib: float, kernel: Kernel) -> list[list[object]]:
-    from sweep import asyncengine_session, cells, warm_up
+def e2e_rows(
+    threads: int, rounds: int, kv_gib: float, kernel: Kernel, model_name: str = "medium4k"
+) -> list[list[object]]:
+    from sweep import asyncengine_session, bundled_model, cells, warm_up
 
-    wl = dict(cells(64, 0, False))["p512-2048/prefill"]
-    model = build_model("medium4k")
+    if model_name == "default":  # its context holds the 16-1024-token prompts, not the 512-2048 ones
+        model, cell = bundled_model(), "p16-1024/prefill"
+    else:
+        model, cell = build_model(model_name), "p512-2048/prefill"
+    wl = dict(cells(64, 0, False))[cell]
     dtype = str(kernel.dtype).removeprefix("torch.")
-    args = argparse.Namespace(threads=threads, max_num_batched_tokens=2048, kv_gib=kv_gib)
+    # the sweep's asyncengine session with its defaults: greedy (no --temperature)
+    args = argparse.Namespace(threads=threads, max_num_batched_tokens=2048, kv_gib=kv_gib, temperature=0.0)
     times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
     firsts: dict[str, list[int]] = {}
     with contextlib.ExitStack() as stack:
@@ -156,42 +161,6 @@ def e2e_rows(threads: int, rounds: int, kv_gib: float, kernel: Kernel) -> list[l
     for mode, ts in times.items():
         med = statistics.median(ts)
         rows.append([mode, min(ts), med, tokens / med, statistics.median(times["sdpa"]) / med])
-    return rows
-
-
-def default_model_rows(threads: int, rounds: int, kernel: Kernel) -> list[list[object]]:
-    """The bundled default model (head_dim 32) in the kernel's dtype: prefill-only, 64 prompts of 16-1000
-    random tokens, the kernel on and off (two engines, alternated; each round's prompts start with a token
-    of their own, so that no round hits the prefix cache of the one before)."""
-    from asyncengine import LLM, SamplingParams
-    from asyncengine.config import default_model_path
-
-    rng = random.Random(0)
-    lens = [int(round(math.exp(rng.uniform(math.log(16), math.log(1000))))) for _ in range(64)]
-    prompts = [[rng.randrange(3, 4096) for _ in range(n)] for n in lens]
-    dtype = str(kernel.dtype).removeprefix("torch.")
-    greedy = SamplingParams(temperature=0.0, max_tokens=1)
-    times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
-    engines = {}
-    try:
-        for mode, value in (("kernel", "1"), ("sdpa", "0")):
-            os.environ[kernel.switch] = value  # inherited by the worker processes this engine spawns
-            engines[mode] = LLM(model=default_model_path(), dtype=dtype, num_threads=threads)
-            engines[mode].generate(prompts[:4], greedy)  # untimed
-        os.environ.pop(kernel.switch)
-        for r in range(rounds):
-            batch = [[3 + r] + p[1:] for p in prompts]
-            for mode, llm in engines.items():
-                t0 = time.perf_counter()
-                llm.generate(batch, greedy)
-                times[mode].append(time.perf_counter() - t0)
-    finally:
-        for llm in engines.values():
-            llm.shutdown()
-    rows = []
-    for mode, ts in times.items():
-        med = statistics.median(ts)
-        rows.append([mode, min(ts), med, sum(lens) / med, statistics.median(times["sdpa"]) / med])
     return rows
 
 
@@ -224,16 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     headers = ["prompts", "SDPA ms", "kernel ms", "SDPA GF/s", "kernel GF/s", "speed-up"]
     rows = kernel_rows(args.threads, args.repeat, args.kernel, args.heads, args.head_dim)
     print(table(headers, rows))
-    if not args.no_e2e and kernel.switch is not None and args.e2e_model == "default":
-        print(f"\nprefill-only, 64 prompts of 16-1000 tokens, the bundled default model, {dtype}")
-        headers = ["attention", "best s", "median s", "prompt tok/s", "speed-up"]
-        print(table(headers, default_model_rows(args.threads, args.rounds, kernel)))
-    elif not args.no_e2e and kernel.switch is not None:
+    if not args.no_e2e and kernel.switch is not None:
+        prompts = "p16-1024" if args.e2e_model == "default" else "p512-2048"
         print(
-            f"\nprefill-only, p512-2048 (64 prompts, max_tokens=1), medium4k {dtype}, {args.threads} threads"
+            f"\nprefill-only, {prompts} (64 prompts, max_tokens=1), {args.e2e_model} {dtype}, "
+            f"{args.threads} threads"
         )
         headers = ["attention", "best s", "median s", "prompt tok/s", "speed-up"]
-        print(table(headers, e2e_rows(args.threads, args.rounds, args.kv_gib, kernel)))
+        print(table(headers, e2e_rows(args.threads, args.rounds, args.kv_gib, kernel, args.e2e_model)))
     return 0
 
 
