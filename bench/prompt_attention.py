@@ -125,16 +125,18 @@ def kernel_rows(
     return rows
 
 
+# the end-to-end run's model -> its bench/sweep.py cell: the bundled model's 1,024 positions hold the
+# 16-1024-token prompts, not the 512-2048 ones
+E2E_CELLS = {"medium4k": "p512-2048/prefill", "default": "p16-1024/prefill"}
+
+
 def e2e_rows(
     threads: int, rounds: int, kv_gib: float, kernel: Kernel, model_name: str = "medium4k"
 ) -> list[list[object]]:
     from sweep import asyncengine_session, bundled_model, cells, warm_up
 
-    if model_name == "default":  # its context holds the 16-1024-token prompts, not the 512-2048 ones
-        model, cell = bundled_model(), "p16-1024/prefill"
-    else:
-        model, cell = build_model(model_name), "p512-2048/prefill"
-    wl = dict(cells(64, 0, False))[cell]
+    model = bundled_model() if model_name == "default" else build_model(model_name)
+    wl = dict(cells(64, 0, False))[E2E_CELLS[model_name]]
     dtype = str(kernel.dtype).removeprefix("torch.")
     # the sweep's asyncengine session with its defaults: greedy (no --temperature)
     args = argparse.Namespace(threads=threads, max_num_batched_tokens=2048, kv_gib=kv_gib, temperature=0.0)
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=64, help="kernel rows: head_dim")
     p.add_argument(
         "--e2e-model",
-        choices=["medium4k", "default"],
+        choices=sorted(E2E_CELLS),
         default="medium4k",
         help="end-to-end: the sweep's model, or the bundled default model (head_dim 32)",
     )
@@ -194,10 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = kernel_rows(args.threads, args.repeat, args.kernel, args.heads, args.head_dim)
     print(table(headers, rows))
     if not args.no_e2e and kernel.switch is not None:
-        prompts = "p16-1024" if args.e2e_model == "default" else "p512-2048"
         print(
-            f"\nprefill-only, {prompts} (64 prompts, max_tokens=1), {args.e2e_model} {dtype}, "
-            f"{args.threads} threads"
+            f"\nprefill-only, {E2E_CELLS[args.e2e_model]} (64 prompts, max_tokens=1), {args.e2e_model} "
+            f"{dtype}, {args.threads} threads"
         )
         headers = ["attention", "best s", "median s", "prompt tok/s", "speed-up"]
         print(table(headers, e2e_rows(args.threads, args.rounds, args.kv_gib, kernel, args.e2e_model)))

@@ -77,7 +77,7 @@ PROMPT_RANGES = [(16, 256), (16, 1024), (512, 2048)]
 OUTPUT_RANGES = [(8, 64), (16, 128), (16, 256), (128, 512)]
 SHARED_OUTPUT = (16, 128)
 MODELS = ["medium4k", "gqa4k", "hd128-4k", "default"]
-# the random models' context and vocabulary; --model default (the bundled model) sets its own in main
+# the random models' context and vocabulary; --model default sets the bundled model's (bundled_model)
 MAX_MODEL_LEN = 2048 + 512 + 16
 VOCAB = 32000
 
