@@ -2,8 +2,9 @@
  * f32_attention.c in float32) share: their call's arguments, the key masks, the 16 x 16 word transpose
  * (of K for the tiles, of a query tile's rows for the other two), where a (sequence, KV head)'s packed K / V
  * live, the work plan (validation, the packing buffers, the costliest-first list of work items) and its
- * run, and (the two without AMX) the online softmax's step over a tile's 16 rows, DEFINE_SOFTMAX_ROWS. Each kernel packs and multiplies its own way. Included only where the build
- * has AVX-512; cpu/build.py hashes this file into every library's cache key. */
+ * run, and (the two without AMX) the online softmax's step over a tile's 16 rows, DEFINE_SOFTMAX_ROWS.
+ * Each kernel packs and multiplies its own way. Included only where the build has AVX-512; cpu/build.py
+ * hashes this file into every library's cache key. */
 #ifndef ASYNCENGINE_PROMPT_ATTENTION_H
 #define ASYNCENGINE_PROMPT_ATTENTION_H
 
