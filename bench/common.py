@@ -78,10 +78,25 @@ MODEL_SPECS["gqa4k"] = dict(
     max_position_embeddings=4096,
 )
 MODEL_SPECS["hd128-4k"] = {**MODEL_SPECS["gqa4k"], "num_attention_heads": 8, "num_key_value_heads": 2}
+# Qwen2.5-0.5B's shape (~494M parameters): 24 layers of hidden 896, 14 heads of 64 over 2 KV heads (groups
+# of 7), biased q/k/v, and a 151,936-token vocabulary tied to the embedding, so the LM head is a quarter of
+# the matmul weights; context cut to 4,096 for the sweep's longest cell
+MODEL_SPECS["qwen05"] = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+)
+# the HF family a spec is built as (default Llama: untied, no biases)
+MODEL_FAMILIES: dict[str, str] = {"qwen05": "qwen2"}
 
 
 def build_model(name: str, root: Path = MODELS) -> Path:
-    """Saves a seeded random Llama `name` (float32 safetensors) under root/name, reused when there."""
+    """Saves a seeded random model `name` (float32 safetensors; a Llama unless MODEL_FAMILIES says) under
+    root/name, reused when there."""
     spec = MODEL_SPECS[name]
     path = root / name
     if (path / "config.json").exists() and (path / "model.safetensors").exists():
@@ -92,10 +107,21 @@ def build_model(name: str, root: Path = MODELS) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        **spec, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5
-    )
-    cfg.architectures = ["LlamaForCausalLM"]
+    if MODEL_FAMILIES.get(name) == "qwen2":
+        cfg = transformers.Qwen2Config(
+            **spec,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+        )
+        cfg.architectures = ["Qwen2ForCausalLM"]
+    else:
+        cfg = transformers.LlamaConfig(
+            **spec, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5
+        )
+        cfg.architectures = ["LlamaForCausalLM"]
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp, safe_serialization=True)  # then renamed: a half-written model is never reused

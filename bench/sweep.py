@@ -20,7 +20,8 @@ throughput benchmark does (temperature 1.0): the same SamplingParams in both eng
 Model: "medium4k", a seeded random ~110M-matmul-parameter Llama (bench/common.py: hidden 768, 12
 layers, 12 heads of 64 with a KV head each, vocab 32000, 4096 positions); --model gqa4k (hidden 1024,
 16 heads of 64 over 4 KV heads) or hd128-4k (8 heads of 128 over 2 KV heads) for other attention
-shapes; --model default, the bundled default model (head_dim 32, 1024 positions: only the cells whose
+shapes; --model qwen05, Qwen2.5-0.5B's shape (24 layers of hidden 896, 14 heads over 2 KV heads, biased
+q/k/v, a tied 151,936-token vocabulary; ~4x medium's work a token); --model default, the bundled default model (head_dim 32, 1024 positions: only the cells whose
 every request fits, the p16-256 row and two of p16-1024's). Each engine loads it once per dtype and runs
 every cell, so start-up is not timed; each cell starts with a cold prefix cache (both engines'
 reset_prefix_cache).
@@ -76,7 +77,7 @@ HERE = Path(__file__).resolve().parent
 PROMPT_RANGES = [(16, 256), (16, 1024), (512, 2048)]
 OUTPUT_RANGES = [(8, 64), (16, 128), (16, 256), (128, 512)]
 SHARED_OUTPUT = (16, 128)
-MODELS = ["medium4k", "gqa4k", "hd128-4k", "default"]
+MODELS = ["medium4k", "gqa4k", "hd128-4k", "qwen05", "default"]
 # the random models' context and vocabulary; --model default sets the bundled model's (bundled_model)
 MAX_MODEL_LEN = 2048 + 512 + 16
 VOCAB = 32000

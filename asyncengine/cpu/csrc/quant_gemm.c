@@ -32,6 +32,7 @@
  * A [gate | up] bfloat16 or float32 weight packed gated (qgemm_bf16_gated, qgemm_f32_gated) alternates gate
  * and up blocks, and its tiles' epilogue writes silu(gate) * up (DEFINE_GATED_WEIGHTS).
  * Each output value is summed over k in one fixed order, whatever M is. Built by cpu/build.py. */
+#include <omp.h>
 #include <stdlib.h>
 
 #include "cpu_common.h"
@@ -272,6 +273,47 @@ static void store_tile(const __m512 *acc, int rows, int r0, int col0, int n, voi
     }
 }
 
+/* A thread's share of a tiled GEMM: output blocks in tiles of up to nb_max (tile t: blocks t * nb_max on),
+ * each tile's rows in row tiles, the work run tile by tile so that a tile's weight panel is read once for
+ * all its rows. Thread th of nt takes the stretch [th C / nt, (th + 1) C / nt) of it, C = blocks x m
+ * block-rows, cut at a multiple of `gran` rows inside a tile: a tile may be shared by two threads (each
+ * reads its panel), and the threads' shares differ by less than gran rows of one tile. `omp for` over whole
+ * tiles left a thread a tile more whenever the tiles did not divide evenly: 896 outputs are 19 tiles, 10
+ * against 9 on two threads (5-7% off that GEMM, measured at M = 2048), 2 against 1 on sixteen. Where m is
+ * gran rows or fewer there is no row to cut at, so the blocks are split instead (a thread's tiles start at
+ * its first block, its last one perhaps narrower). Which thread computes an output never changes its sum. */
+typedef struct {
+    int b_begin, b_end; /* the thread's blocks, in tiles of nb_max from b_begin */
+    int r_first, r_last; /* its first tile from row r_first, its last up to row r_last */
+} Share;
+
+/* The (tile, row) where `cost` block-rows of the tile-by-tile order end, row a multiple of gran below m. */
+static inline void cut_at(long cost, int blocks, int nb_max, int m, int gran, int *tile, int *row) {
+    const int full_tiles = blocks / nb_max;
+    const long full = (long)nb_max * m;
+    long t = cost / full;
+    if (t > full_tiles) t = full_tiles;
+    const int nb = t < full_tiles ? nb_max : blocks - full_tiles * nb_max; /* tile t's width */
+    long r = nb ? (cost - t * full + nb - 1) / nb : 0;
+    r = (r + gran - 1) / gran * gran;
+    if (r >= m) t++, r = 0;
+    *tile = (int)t;
+    *row = (int)r;
+}
+
+static inline Share thread_share(int blocks, int nb_max, int m, int gran, int th, int nt) {
+    if (nt <= 1) return (Share){0, blocks, 0, m};
+    if (m <= gran) return (Share){(int)((long)blocks * th / nt), (int)((long)blocks * (th + 1) / nt), 0, m};
+    const long total = (long)blocks * m;
+    int t0, r0, t1, r1;
+    cut_at(total * th / nt, blocks, nb_max, m, gran, &t0, &r0);
+    cut_at(total * (th + 1) / nt, blocks, nb_max, m, gran, &t1, &r1);
+    const int last = r1 ? t1 : t1 - 1; /* the last tile it touches */
+    const long b_end = (long)(last + 1) * nb_max;
+    if (last < t0) return (Share){0, 0, 0, 0};
+    return (Share){t0 * nb_max, b_end < blocks ? (int)b_end : blocks, r0, r1 ? r1 : m};
+}
+
 /* Decode-sized batches (2 to NEXT_PANEL_MAX_TILES row tiles) prefetch the next weight panel: a tile's first
  * row tile streams its panel from DRAM, ahead of its loads by only PREFETCH_AHEAD (~30 GB/s a core, where its
  * arithmetic would take ~70), while the later row tiles read it from L2 with the memory bus idle. So each
@@ -325,34 +367,38 @@ static inline __attribute__((always_inline)) void tile_f32(int rows, int nb, con
 
 /* Plain (bfloat16 or float32) weights, out = x W^T + b: tiles of NB_MAX blocks (the last tile narrower) x MT
  * rows through TILE(rows, nb, x, wb, acc, pf) (tile_bf16 / tile_f32 with the function's x_stride, k_int
- * and bstride), split over the threads by tile; at decode-sized M each later row tile prefetches a share
- * of the next tile's panel (next_share). XT: the activations' element type; OUT_BF16: the output's. */
+ * and bstride), split over the threads by thread_share; at decode-sized M each later row tile prefetches a
+ * share of the thread's next tile's panel (next_share). XT: the activations' element type; OUT_BF16: the output's. */
 #define DEFINE_PLAIN_WEIGHTS(NAME, TILE, XT, QTYPE, OUT_BF16)                                                \
     static int NAME(const void *x, long x_stride, const uint8_t *w, const void *bias, void *out,             \
                     long out_stride, int m, int n, int k_int, int num_threads) {                              \
-        const int blocks = (n + 15) / 16, tiles = (blocks + NB_MAX - 1) / NB_MAX;                          \
+        const int blocks = (n + 15) / 16;                                                                   \
         const long bstride = qgemm_step_bytes(k_int, QTYPE);                                               \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && tiles > 1)") \
-        for (int t = 0; t < tiles; t++) {                                                                   \
-            const int b0 = t * NB_MAX, nb = blocks - b0 < NB_MAX ? blocks - b0 : NB_MAX;                   \
-            const int nb1 = blocks - b0 - nb < NB_MAX ? blocks - b0 - nb : NB_MAX; /* the next tile's */   \
-            const uint8_t *next = t + 1 < tiles ? w + (long)(b0 + nb) * bstride : NULL;                   \
-            const int row_tiles = (m + MT - 1) / MT;                                                        \
-            const uint8_t *wb = w + b0 * bstride;                                                           \
+        _Pragma("omp parallel num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && blocks > 1)")  \
+        {                                                                                                   \
+            const Share s = thread_share(blocks, NB_MAX, m, MT, omp_get_thread_num(), omp_get_num_threads()); \
             __m512 acc[NB_MAX * MT];                                                                        \
-            for (int r0 = 0; r0 < m; r0 += MT) {                                                            \
-                const int rows = m - r0 < MT ? m - r0 : MT;                                                 \
-                const Span pf = next_share(next, (long)nb1 * bstride, r0 / MT, row_tiles);                  \
-                const XT *xr = (const XT *)x + (long)r0 * x_stride;                                         \
-                if (nb == 3) {                                                                              \
-                    ROWS_SWITCH_ARGS(TILE, 3, xr, wb, acc, pf)                                              \
-                } else if (nb == 2) {                                                                       \
-                    ROWS_SWITCH_ARGS(TILE, 2, xr, wb, acc, pf)                                              \
-                } else {                                                                                    \
-                    ROWS_SWITCH_ARGS(TILE, 1, xr, wb, acc, pf)                                              \
+            for (int b0 = s.b_begin; b0 < s.b_end; b0 += NB_MAX) {                                          \
+                const int nb = s.b_end - b0 < NB_MAX ? s.b_end - b0 : NB_MAX;                              \
+                const int left = s.b_end - b0 - nb, nb1 = left < NB_MAX ? left : NB_MAX; /* next tile's */ \
+                const uint8_t *next = nb1 > 0 ? w + (long)(b0 + nb) * bstride : NULL;                      \
+                const int r_begin = b0 == s.b_begin ? s.r_first : 0, r_end = left ? m : s.r_last;          \
+                const int row_tiles = (r_end - r_begin + MT - 1) / MT;                                      \
+                const uint8_t *wb = w + (long)b0 * bstride;                                                 \
+                for (int r0 = r_begin; r0 < r_end; r0 += MT) {                                              \
+                    const int rows = r_end - r0 < MT ? r_end - r0 : MT;                                     \
+                    const Span pf = next_share(next, (long)nb1 * bstride, (r0 - r_begin) / MT, row_tiles);  \
+                    const XT *xr = (const XT *)x + (long)r0 * x_stride;                                     \
+                    if (nb == 3) {                                                                          \
+                        ROWS_SWITCH_ARGS(TILE, 3, xr, wb, acc, pf)                                          \
+                    } else if (nb == 2) {                                                                   \
+                        ROWS_SWITCH_ARGS(TILE, 2, xr, wb, acc, pf)                                          \
+                    } else {                                                                                \
+                        ROWS_SWITCH_ARGS(TILE, 1, xr, wb, acc, pf)                                          \
+                    }                                                                                       \
+                    for (int j = 0; j < nb; j++)                                                            \
+                        store_tile(acc + j * MT, rows, r0, (b0 + j) * 16, n, out, out_stride, OUT_BF16, bias); \
                 }                                                                                           \
-                for (int j = 0; j < nb; j++)                                                                \
-                    store_tile(acc + j * MT, rows, r0, (b0 + j) * 16, n, out, out_stride, OUT_BF16, bias); \
             }                                                                                               \
         }                                                                                                   \
         return 0;                                                                                           \
@@ -381,51 +427,58 @@ __attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const
  * separate silu_and_mul pass. Each output sums over k in the same order as the plain kernel's. TILE: the
  * plain kernel's (XT activations, QTYPE weights); STORE: the epilogue (OT outputs). */
 #define GATED_ROWS 6 /* rows of a two-pair tile: 4 blocks x 6 rows = 24 accumulators, as 3 x 8 */
+#define GATED_GRAN 24 /* rows a shared tile is cut at (thread_share): a multiple of both tile heights */
 #define DEFINE_GATED_WEIGHTS(NAME, TILE, XT, OT, QTYPE, STORE)                                              \
     static int NAME(const XT *x, long x_stride, const uint8_t *w, const OT *bias, OT *out, long out_stride,  \
                     int m, int n, int k_int, int num_threads) {                                              \
-        const int pairs = n / 32, inter = n / 2, tiles = (pairs + 1) / 2;                                   \
+        const int pairs = n / 32, inter = n / 2;                                                            \
         const long bstride = qgemm_step_bytes(k_int, QTYPE);                                                \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && tiles > 1)") \
-        for (int t = 0; t < tiles; t++) {                                                                   \
+        _Pragma("omp parallel num_threads(num_threads) if ((long)m * n * k_int >= PAR_MIN && pairs > 1)")   \
+        {                                                                                                   \
+            /* tiles of two pairs, shared out like the plain kernel's tiles of blocks */                    \
+            const Share s = thread_share(pairs, 2, m, GATED_GRAN, omp_get_thread_num(), omp_get_num_threads()); \
             __m512 acc[4 * MT]; /* block j's row r at j * MT + r */                                         \
-            const int np = pairs - 2 * t < 2 ? 1 : 2; /* pairs in this tile */                              \
-            const uint8_t *wb = w + 4L * t * bstride;                                                       \
-            if (m > 2 && m <= MT) { /* one pair at a time over all rows: 6-row tiles would cut 8 rows in   \
-                                     * two (at one or two rows the two-pair tile's four chains hide the    \
-                                     * latency) */                                                          \
-                for (int p = 0; p < np; p++) {                                                              \
-                    const int rows = m, col = (2 * t + p) * 16;                                             \
-                    const uint8_t *wp = wb + 2L * p * bstride;                                              \
-                    ROWS_SWITCH_ARGS(TILE, 2, x, wp, acc, ((Span){0, 0}))                                   \
-                    STORE(acc, acc + MT, rows, 0, col, out, out_stride, bias ? bias + col : NULL,           \
-                          bias ? bias + inter + col : NULL);                                                \
-                }                                                                                           \
-                continue;                                                                                   \
-            }                                                                                               \
-            const int tile_rows = np == 2 ? GATED_ROWS : MT, row_tiles = (m + tile_rows - 1) / tile_rows;   \
-            const int np1 = pairs - 2 * (t + 1) < 2 ? 1 : 2; /* the next tile's pairs */                    \
-            const uint8_t *next = t + 1 < tiles ? w + 4L * (t + 1) * bstride : NULL;                        \
-            for (int r0 = 0; r0 < m; r0 += tile_rows) {                                                     \
-                const int rows = m - r0 < tile_rows ? m - r0 : tile_rows;                                   \
-                const XT *xr = x + (long)r0 * x_stride;                                                     \
-                const Span pf = next_share(next, 2L * np1 * bstride, r0 / tile_rows, row_tiles);            \
-                if (np == 2) {                                                                              \
-                    switch (rows) {                                                                         \
-                    case 1: TILE(1, 4, xr, wb, acc, pf); break;                                             \
-                    case 2: TILE(2, 4, xr, wb, acc, pf); break;                                             \
-                    case 3: TILE(3, 4, xr, wb, acc, pf); break;                                             \
-                    case 4: TILE(4, 4, xr, wb, acc, pf); break;                                             \
-                    case 5: TILE(5, 4, xr, wb, acc, pf); break;                                             \
-                    default: TILE(6, 4, xr, wb, acc, pf); break;                                            \
+            for (int p0 = s.b_begin; p0 < s.b_end; p0 += 2) {                                               \
+                const int np = s.b_end - p0 < 2 ? 1 : 2; /* pairs in this tile */                           \
+                const uint8_t *wb = w + 2L * p0 * bstride;                                                  \
+                if (m > 2 && m <= MT) { /* one pair at a time over all rows: 6-row tiles would cut 8 rows  \
+                                         * in two (at one or two rows the two-pair tile's four chains hide \
+                                         * the latency) */                                                  \
+                    for (int p = 0; p < np; p++) {                                                          \
+                        const int rows = m, col = (p0 + p) * 16;                                            \
+                        const uint8_t *wp = wb + 2L * p * bstride;                                          \
+                        ROWS_SWITCH_ARGS(TILE, 2, x, wp, acc, ((Span){0, 0}))                               \
+                        STORE(acc, acc + MT, rows, 0, col, out, out_stride, bias ? bias + col : NULL,       \
+                              bias ? bias + inter + col : NULL);                                            \
                     }                                                                                       \
-                } else {                                                                                    \
-                    ROWS_SWITCH_ARGS(TILE, 2, xr, wb, acc, pf)                                              \
+                    continue;                                                                               \
                 }                                                                                           \
-                for (int p = 0; p < np; p++) {                                                              \
-                    const int col = (2 * t + p) * 16;                                                       \
-                    STORE(acc + 2 * p * MT, acc + (2 * p + 1) * MT, rows, r0, col, out, out_stride,         \
-                          bias ? bias + col : NULL, bias ? bias + inter + col : NULL);                      \
+                const int left = s.b_end - p0 - np, np1 = left < 2 ? left : 2; /* the next tile's pairs */  \
+                const uint8_t *next = np1 > 0 ? w + 2L * (p0 + np) * bstride : NULL;                       \
+                const int r_begin = p0 == s.b_begin ? s.r_first : 0, r_end = left ? m : s.r_last;          \
+                const int tile_rows = np == 2 ? GATED_ROWS : MT;                                            \
+                const int row_tiles = (r_end - r_begin + tile_rows - 1) / tile_rows;                        \
+                for (int r0 = r_begin; r0 < r_end; r0 += tile_rows) {                                       \
+                    const int rows = r_end - r0 < tile_rows ? r_end - r0 : tile_rows;                       \
+                    const XT *xr = x + (long)r0 * x_stride;                                                 \
+                    const Span pf = next_share(next, 2L * np1 * bstride, (r0 - r_begin) / tile_rows, row_tiles); \
+                    if (np == 2) {                                                                          \
+                        switch (rows) {                                                                     \
+                        case 1: TILE(1, 4, xr, wb, acc, pf); break;                                         \
+                        case 2: TILE(2, 4, xr, wb, acc, pf); break;                                         \
+                        case 3: TILE(3, 4, xr, wb, acc, pf); break;                                         \
+                        case 4: TILE(4, 4, xr, wb, acc, pf); break;                                         \
+                        case 5: TILE(5, 4, xr, wb, acc, pf); break;                                         \
+                        default: TILE(6, 4, xr, wb, acc, pf); break;                                        \
+                        }                                                                                   \
+                    } else {                                                                                \
+                        ROWS_SWITCH_ARGS(TILE, 2, xr, wb, acc, pf)                                          \
+                    }                                                                                       \
+                    for (int p = 0; p < np; p++) {                                                          \
+                        const int col = (p0 + p) * 16;                                                      \
+                        STORE(acc + 2 * p * MT, acc + (2 * p + 1) * MT, rows, r0, col, out, out_stride,     \
+                              bias ? bias + col : NULL, bias ? bias + inter + col : NULL);                  \
+                    }                                                                                       \
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \

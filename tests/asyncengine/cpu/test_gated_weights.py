@@ -89,3 +89,36 @@ def test_gated_mlp_matches_the_unfused_one(dtype: torch.dtype, monkeypatch: pyte
         for m in (1, 5, 30):
             x = torch.randn(m, 64).to(dtype)
             assert torch.equal(mlps[0](x), mlps[1](x))
+
+
+@dtypes
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_any_thread_count_gives_the_same_bits(dtype: torch.dtype, gated: bool) -> None:
+    """The GEMM's work is shared out by block-rows (thread_share): a tile cut between two threads at a row,
+    blocks split where the batch is one row tile or less, a thread with nothing to do, 7 blocks / 7 pairs
+    (tiles that divide evenly among no thread count here). Whatever the thread count every output is
+    written, and with the bits one thread gives."""
+    needs_kernel(dtype)
+    g = torch.Generator().manual_seed(7)
+    k, n = 640, 7 * 32 if gated else 7 * 16  # 640 columns: every batch here is worth threads (PAR_MIN)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    packed = PACK[dtype](w, gated=gated)
+    assert packed is not None
+    saved = torch.get_num_threads()
+    try:
+        for m in (1, 5, 8, 9, 24, 25, 70):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            torch.set_num_threads(1)
+            one = quant_gemm.linear(x, packed, b)
+            want = x.double() @ w.double().t() + b.double()
+            if gated:
+                want = torch.nn.functional.silu(want[:, : n // 2]) * want[:, n // 2 :]
+            torch.testing.assert_close(one.double(), want, atol=0.05, rtol=0.02)
+            kept = []  # every result held, so that no output is allocated where an earlier one lies
+            for threads in (2, 3, 5, 8, 16):
+                torch.set_num_threads(threads)
+                kept.append(quant_gemm.linear(x, packed, b))
+                assert torch.equal(kept[-1].view(BITS[dtype]), one.view(BITS[dtype])), (m, threads)
+    finally:
+        torch.set_num_threads(saved)
