@@ -21,8 +21,9 @@ Model: "medium4k", a seeded random ~110M-matmul-parameter Llama (bench/common.py
 layers, 12 heads of 64 with a KV head each, vocab 32000, 4096 positions); --model gqa4k (hidden 1024,
 16 heads of 64 over 4 KV heads) or hd128-4k (8 heads of 128 over 2 KV heads) for other attention
 shapes; --model qwen05, Qwen2.5-0.5B's shape (24 layers of hidden 896, 14 heads over 2 KV heads, biased
-q/k/v, a tied 151,936-token vocabulary; ~4x medium's work a token); --model default, the bundled default model (head_dim 32, 1024 positions: only the cells whose
-every request fits, the p16-256 row and two of p16-1024's). Each engine loads it once per dtype and runs
+q/k/v, a tied 151,936-token vocabulary; ~4x medium's work a token); --model default, the bundled default
+model (head_dim 32, 1024 positions: only the cells whose every request fits, the p16-256 row and two of
+p16-1024's). Each engine loads it once per dtype and runs
 every cell, so start-up is not timed; each cell starts with a cold prefix cache (both engines'
 reset_prefix_cache).
 

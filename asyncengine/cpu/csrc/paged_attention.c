@@ -523,7 +523,11 @@ static inline __attribute__((always_inline)) void NAME##_values_gs(int R, int NK
 }                                                                                                       \
 /* acc += p.v for R = 1, 2 or 4 rows over the same block, the heads of each KV head in runs of up to 8 / R \
  * (measured with 16 heads over 4 KV heads: ~3x the arithmetic per byte of K/V of 12 full heads, and the \
- * widening of V repeated per head had made the kernel compute-bound). k_next: the next block, whose      \
+ * widening of V repeated per head had made the kernel compute-bound). A KV head of 3, 5, 6 or 7 heads is \
+ * one run: in runs of 4 + 2 + 1 the one- and two-head runs were bound by the FMA chains' latency (two or \
+ * four chains a key). One thread, keys in L2, ns per key and head: groups of 7 2.65 -> 2.12, of 3 3.49 ->\
+ * 2.48, of 5 2.70 -> 2.32, of 6 2.51 -> 2.34; from DRAM (bench/paged_attention.py, 2 threads, batch 64 x \
+ * 256 keys) 14 heads over 2 0.43 -> 0.34 ms a layer, 24 over 8 1.16 -> 1.00. k_next: the next block, whose\
  * first NEXT_BLOCK_ROWS K rows are fetched over the pass (NULL: none). */                              \
 static inline __attribute__((always_inline)) void NAME##_values_at(int R, float *const *acc, const float *const *scores, const KT *vb, int n, \
                                  int nkv, int group, int head_dim, int width, int sb, long kv_stride,     \
@@ -535,12 +539,26 @@ static inline __attribute__((always_inline)) void NAME##_values_at(int R, float 
                                   NEXT_BLOCK_ROWS, steps);                                              \
     for (int x0 = 0, gs, nk; x0 < hg; x0 += nk * gs) {                                                  \
         const int kv = x0 / group, left = (kv + 1) * group - x0; /* this KV head's heads from x0 */     \
-        gs = cap >= 8 && left >= 8 ? 8 : cap >= 4 && left >= 4 ? 4 : cap >= 2 && left >= 2 ? 2 : 1;     \
+        /* a whole KV head of up to cap heads in one run (3, 5, 6, 7 too: runs of 4 + 2 + 1 left one-   \
+         * and two-head runs latency-bound), else runs of 8, 4, 2, 1 */                                 \
+        gs = left < cap ? left : cap;                                                                   \
+        const int pow2 = (gs & (gs - 1)) == 0;                                                          \
+        if (gs != group) gs = gs >= 8 ? 8 : gs >= 4 ? 4 : gs >= 2 ? 2 : 1;                             \
         /* whole small KV heads side by side, so that R x NK x GS accumulator pairs stay in flight */   \
-        const int fit = gs == group ? (nkv - kv < cap / gs ? nkv - kv : cap / gs) : 1;                   \
+        const int fit = gs == group && (pow2 || gs == 3) ? (nkv - kv < cap / gs ? nkv - kv : cap / gs) : 1; \
         nk = fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;                                            \
         const KT *vh = vb + kv * head_dim;                                                              \
-        if (cap >= 8 && gs == 8)                                                                        \
+        if (cap >= 8 && gs == 7)                                                                        \
+            NAME##_values_gs(R, 1, 7, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
+        else if (cap >= 8 && gs == 6)                                                                   \
+            NAME##_values_gs(R, 1, 6, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
+        else if (cap >= 8 && gs == 5)                                                                   \
+            NAME##_values_gs(R, 1, 5, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
+        else if (cap >= 8 && gs == 3 && nk == 2)                                                        \
+            NAME##_values_gs(R, 2, 3, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
+        else if (cap >= 4 && gs == 3)                                                                   \
+            NAME##_values_gs(R, 1, 3, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
+        else if (cap >= 8 && gs == 8)                                                                   \
             NAME##_values_gs(R, 1, 8, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \
         else if (cap >= 8 && gs == 4 && nk == 2)                                                        \
             NAME##_values_gs(R, 2, 4, x0, acc, scores, vh, n, head_dim, width, sb, kv_stride, &pf);         \

@@ -107,11 +107,15 @@ def test_padding_rows_read_nothing() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,head_dim", [((4, 4), 64), ((8, 2), 80), ((12, 12), 64), ((14, 2), 64)])
+@pytest.mark.parametrize(
+    "heads,head_dim",
+    [((4, 4), 64), ((8, 2), 80), ((12, 12), 64), ((14, 2), 64), ((6, 2), 64), ((10, 2), 128), ((24, 4), 64)],
+)
 def test_both_builds_match_reference(dtype, heads, head_dim) -> None:
     """The AVX-512 build (where the CPU has it) and the portable build both match the reference, with
-    enough rows and heads that the work splits into head runs and long contexts cross many blocks (14
-    heads over 2 KV heads: groups of 7, which the value pass takes in runs of 4, 2 and 1)."""
+    enough rows and heads that the work splits into head runs and long contexts cross many blocks. The
+    value pass takes a KV head's group of 3, 5, 6 or 7 heads (6 / 10 / 24 / 14 heads over 2-4 KV heads) in
+    one run, of 4 heads and over in runs of 8, 4, 2, 1 (a 16-head chunk cuts 24 over 4's third group)."""
     num_heads, num_kv_heads = heads
     q, k, v, kc, vc, meta = build_batch(
         [1, 1, 1, 3, 1], [0, 17, 64, 40, 300], num_heads, num_kv_heads, head_dim, 16, dtype
@@ -238,7 +242,9 @@ def unshare(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,head_dim", [((4, 4), 64), ((8, 2), 80), ((12, 12), 64), ((14, 2), 64)])
+@pytest.mark.parametrize(
+    "heads,head_dim", [((4, 4), 64), ((8, 2), 80), ((12, 12), 64), ((14, 2), 64), ((6, 2), 64), ((12, 2), 96)]
+)
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
 def test_shared_prefix_blocks_change_no_bit(dtype, heads, head_dim, num_threads) -> None:
     """Prefix caching points many sequences at the same physical blocks: the kernel must give, bit for
