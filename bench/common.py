@@ -90,8 +90,26 @@ MODEL_SPECS["qwen05"] = dict(
     vocab_size=151936,
     max_position_embeddings=4096,
 )
+# GPT-2 small's shape (124M): learned positions, LayerNorm, biased projections, a 4x GELU MLP, a tied
+# 50,257-token vocabulary; context 4,096 as medium4k's, for the sweep's longest cell
+MODEL_SPECS["gpt2"] = dict(
+    hidden_size=768,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    intermediate_size=3072,
+    vocab_size=50257,
+    max_position_embeddings=4096,
+)
 # the HF family a spec is built as (default Llama: untied, no biases)
-MODEL_FAMILIES: dict[str, str] = {"qwen05": "qwen2"}
+MODEL_FAMILIES: dict[str, str] = {"qwen05": "qwen2", "gpt2": "gpt2"}
+# config.json names of GPT2Config's attributes (it maps the usual names onto them)
+CONFIG_ALIASES = {
+    "hidden_size": "n_embd",
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "max_position_embeddings": "n_positions",
+}
 
 
 def build_model(name: str, root: Path = MODELS) -> Path:
@@ -101,13 +119,16 @@ def build_model(name: str, root: Path = MODELS) -> Path:
     path = root / name
     if (path / "config.json").exists() and (path / "model.safetensors").exists():
         saved = json.loads((path / "config.json").read_text())
-        if all(saved.get(k) == v for k, v in spec.items()):
+        if all(saved.get(k, saved.get(CONFIG_ALIASES.get(k, k))) == v for k, v in spec.items()):
             return path  # else the spec changed: rebuild
     import torch
     import transformers
 
     torch.manual_seed(0)
-    if MODEL_FAMILIES.get(name) == "qwen2":
+    if MODEL_FAMILIES.get(name) == "gpt2":
+        cfg = transformers.GPT2Config(**spec, bos_token_id=1, eos_token_id=2)
+        cfg.architectures = ["GPT2LMHeadModel"]
+    elif MODEL_FAMILIES.get(name) == "qwen2":
         cfg = transformers.Qwen2Config(
             **spec,
             tie_word_embeddings=True,

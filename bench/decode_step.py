@@ -59,6 +59,7 @@ from asyncengine.cpu import ops as cpu_ops
 from asyncengine.cpu.amx import AmxWeight
 from asyncengine.cpu.kernel_graph import KernelGraphRunner
 from asyncengine.cpu.quant_gemm import QuantWeight
+from asyncengine.layers import attention_cpu
 from asyncengine.layers.attention import set_attention_backend
 from asyncengine.layers.attention_cpu import CpuAttentionBackend
 from asyncengine.layers.parallel import ParallelContext
@@ -77,6 +78,9 @@ ENTRY_POINTS: list[tuple[Any, str, str]] = [
     (cpu_ops, "rotary", "rotary"),
     (cpu_ops, "rope_write_kv", "rotary + KV write"),
     (cpu_ops, "silu_and_mul", "SiLU"),
+    (cpu_ops, "layer_norm", "LayerNorm"),
+    (cpu_ops, "gelu_new", "GELU"),
+    (attention_cpu, "_prompt_kernel", "prompt attention"),
     (cpu_ops, "argmax_rows", "argmax"),
     (ModelRunner, "prepare_model_input", "prepare"),
 ]

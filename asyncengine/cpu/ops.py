@@ -1,5 +1,5 @@
-"""Fused CPU element-wise ops (csrc/cpu_ops.c): RMSNorm (+ residual add), SiLU-and-mul, rotary, the
-paged KV-cache write, and rotary fused with that write.
+"""Fused CPU element-wise ops (csrc/cpu_ops.c): RMSNorm and LayerNorm (+ residual add), SiLU-and-mul,
+GPT-2's GELU (gelu_new), rotary, the paged KV-cache write, and rotary fused with that write.
 
 Each returns None when it does not apply (not a CPU tensor, a dtype other than float32 / bfloat16,
 no compiler, or ASYNCENGINE_CPU_OPS=0) and the caller runs its PyTorch code instead; the results
@@ -30,6 +30,8 @@ _SIGNATURES = {
     "silu_and_mul": [_P, _P, _I, _I, _I],
     "rotary": [_P, _L, _P, _P, _P, _I, _I, _I, _I, _I],
     "argmax_rows": [_P, _L, _I, _I, _P, _I],
+    "gelu_new": [_P, _P, _L, _I],
+    "layer_norm": [_P, _L, _P, _P, _P, _P, _P, _I, _I, _F, _I],
 }
 
 
@@ -108,6 +110,54 @@ def rms_norm(
         torch.get_num_threads(),
     )
     return out, new_residual
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """[T, hidden] -> (layer_norm(x'), x') with x' = x + residual, or (layer_norm(x), None) without one."""
+    params = (weight,) if bias is None else (weight, bias)
+    lib = _lib_for(x, *params) if residual is None else _lib_for(x, *params, residual)
+    x2 = _rows(x)
+    if lib is None or x2 is None or any(not p.is_contiguous() for p in params):
+        return None
+    rows, hidden = x2.shape
+    out = torch.empty(rows, hidden, dtype=x.dtype)
+    new_residual = None
+    if residual is not None:
+        residual = residual.contiguous()
+        new_residual = torch.empty(rows, hidden, dtype=x.dtype)
+    getattr(lib, f"layer_norm_{_SUFFIX[x.dtype]}")(
+        x2.data_ptr(),
+        x2.stride(0),
+        residual.data_ptr() if residual is not None else None,
+        weight.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        new_residual.data_ptr() if new_residual is not None else None,
+        rows,
+        hidden,
+        eps,
+        torch.get_num_threads(),
+    )
+    return out, new_residual
+
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor | None:
+    """GPT-2's tanh GELU (HF's NewGELUActivation) in one pass, with torch's rounding chain."""
+    lib = _lib_for(x)
+    if lib is None:
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    getattr(lib, f"gelu_new_{_SUFFIX[x.dtype]}")(
+        x.data_ptr(), out.data_ptr(), x.numel(), torch.get_num_threads()
+    )
+    return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:

@@ -1,8 +1,9 @@
-"""RMSNorm with an optional fused residual add, computed in float32 the way HF computes it."""
+"""RMSNorm and LayerNorm with an optional fused residual add, computed in float32 the way HF computes them."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.cpu import ops as cpu_ops
@@ -41,3 +42,37 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """nn.LayerNorm's parameters and result (GPT-2's ln_1 / ln_2 / ln_f), with RMSNorm's fused residual add;
+    on CPU one C pass per row (cpu_ops.layer_norm: float32 moments, equal to torch's up to their summation
+    order)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., hidden]
+        fused = cpu_ops.layer_norm(x, self.weight, self.bias, self.eps) if x.dim() == 2 else None
+        if fused is not None:
+            return fused[0]
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+    def fused_add(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor,  # [num_tokens, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual = x + residual)
+        fused = cpu_ops.layer_norm(x, self.weight, self.bias, self.eps, residual)
+        if fused is not None:
+            out, new_residual = fused
+            assert new_residual is not None
+            return out, new_residual
+        x = x + residual
+        return self.forward(x), x
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, bias={self.bias is not None}"

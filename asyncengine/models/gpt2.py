@@ -12,9 +12,10 @@ from torch import nn
 
 from asyncengine.errors import ModelLoadError
 from asyncengine.layers.activation import get_act_fn
-from asyncengine.layers.attention import Attention
+from asyncengine.layers.attention import Attention, SampledRows, get_attention_metadata
 from asyncengine.layers.embedding import VocabParallelEmbedding
 from asyncengine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from asyncengine.layers.norm import LayerNorm
 from asyncengine.layers.parallel import IntermediateTensors, ParallelContext
 from asyncengine.models.base import CausalLM
 
@@ -33,9 +34,14 @@ class GPT2Attention(nn.Module):
         self.c_proj = RowParallelLinear(hidden, hidden, parallel, bias=True)
         self.attn = Attention(self.c_attn.num_heads, self.head_dim, self.c_attn.num_kv_heads, scale)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        rows: SampledRows | None = None,  # the last layer's sampled rows: only they attend
+    ) -> torch.Tensor:  # [T, hidden], or [len(rows), hidden]
         q, k, v = self.c_attn.split_qkv(self.c_attn(hidden))
-        return self.c_proj(self.attn(q, k, v))
+        out = self.attn(q, k, v, rows=rows)
+        return self.c_proj(out) if out.shape[0] else hidden.new_empty((0, hidden.shape[1]))
 
 
 class GPT2MLP(nn.Module):
@@ -54,14 +60,26 @@ class GPT2Block(nn.Module):
     def __init__(self, cfg: Any, parallel: ParallelContext, layer_idx: int) -> None:
         super().__init__()
         eps = cfg.layer_norm_epsilon
-        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.ln_1 = LayerNorm(cfg.hidden_size, eps=eps)
         self.attn = GPT2Attention(cfg, parallel, layer_idx)
-        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.ln_2 = LayerNorm(cfg.hidden_size, eps=eps)
         self.mlp = GPT2MLP(cfg, parallel)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        hidden = hidden + self.attn(self.ln_1(hidden))
-        return hidden + self.mlp(self.ln_2(hidden))
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden], the previous block's output (not yet added to the residual)
+        residual: torch.Tensor,  # [T, hidden]
+        rows: SampledRows | None = None,  # the model's last layer: carry on with these rows only
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # (h, r) -> ln(h + r), h + r: the residual add is deferred into the next LayerNorm
+        hidden, residual = self.ln_1.fused_add(hidden, residual)
+        hidden = self.attn(hidden, rows)
+        if rows is not None:
+            residual = residual[rows.indices]
+            if not len(rows):
+                return hidden, residual
+        hidden, residual = self.ln_2.fused_add(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class GPT2Model(nn.Module):
@@ -79,9 +97,7 @@ class GPT2Model(nn.Module):
                 if parallel.owns_layer(i)
             }
         )
-        self.ln_f = (
-            nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon) if parallel.is_last_stage else None
-        )
+        self.ln_f = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon) if parallel.is_last_stage else None
 
     def forward(
         self,
@@ -91,18 +107,27 @@ class GPT2Model(nn.Module):
     ) -> torch.Tensor | IntermediateTensors:
         if self.wte is not None and self.wpe is not None:
             assert input_ids is not None, "the first stage needs input_ids"
-            hidden = self.wte(input_ids) + self.wpe(positions)  # [T, hidden]
+            # the first block's ln_1 adds them: wte + wpe as torch rounds it
+            hidden, residual = self.wpe(positions), self.wte(input_ids)  # [T, hidden] each
         else:
             assert intermediate is not None, "a later stage needs the previous stage's tensors"
-            hidden = intermediate["hidden_states"]
-        for block in self.h.values():
-            hidden = block(hidden)
+            hidden, residual = intermediate["hidden_states"], intermediate["residual"]
+        # on the last stage, the last block carries on with the sampled rows only (SampledRows); every
+        # stage owns at least one layer (config.layer_range)
+        rows = get_attention_metadata().sampled if self.ln_f is not None else None
+        blocks = list(self.h.values())
+        for i, block in enumerate(blocks):
+            hidden, residual = block(hidden, residual, rows if i == len(blocks) - 1 else None)
+        if rows is not None and not len(rows):
+            return hidden
         if self.ln_f is None:
-            return {"hidden_states": hidden}
-        return self.ln_f(hidden)
+            return {"hidden_states": hidden, "residual": residual}
+        return self.ln_f.fused_add(hidden, residual)[0]
 
 
 class GPT2LMHeadModel(CausalLM):
+    intermediate_names = ("hidden_states", "residual")  # the residual add is deferred past the stage boundary
+    cuts_to_sampled_rows = True
     decoder_name = "transformer"
     layers_name = "h"
     embedding_name = "wte"

@@ -1,5 +1,5 @@
-/* Fused element-wise ops for CPU workers: RMSNorm (+ residual add), SiLU-and-mul, rotary embedding,
- * the greedy pick (argmax per row) and the paged KV-cache write.
+/* Fused element-wise ops for CPU workers: RMSNorm and LayerNorm (+ residual add), SiLU-and-mul, GPT-2's
+ * GELU, rotary embedding, the greedy pick (argmax per row) and the paged KV-cache write.
  *
  * In torch each of these is 3-8 separate ops, each a pass over memory with an allocation and a
  * dispatch (in bfloat16 also a widen and a narrow per op); at decode sizes that overhead dominates.
@@ -217,6 +217,153 @@ DEFINE_OPS(f32, float, load_f32, store_f32, round_f32)
 DEFINE_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_SILU(f32, float, load_f32, store_f32, round_f32)
 DEFINE_SILU(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+
+/* gelu_new: HF's NewGELUActivation (GPT-2's activation), 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))),
+ *   with torch's rounding chain: each of its 8 ops' results rounded to T (pow(x, 3) is (x * x) * x with the
+ *   square rounded to T too, the scalars float32). bfloat16 results are torch's bit for bit; in float32
+ *   tanh (Cephes' tanhf here, torch's is Sleef's) can move a last bit. In torch it is 8 passes over the
+ *   MLP's [tokens, 4 hidden] activations: a fifth of a GPT-2 prefill (bench/RESULTS.md, 2026-12-07).
+ * layer_norm: out = T((x' - mean) rstd w + b) with mean and rstd in float32 (two passes over the row),
+ *   x' = T(x + residual) (also stored in residual_out) or x when residual is NULL, as rms_norm; rows of x
+ *   x_stride elements apart, bias may be NULL. */
+#define GELU_A 0.044715f
+#define GELU_C 0.7978845608028654f /* sqrt(2 / pi) as float32, as torch takes the Python scalar */
+#ifdef HAVE_AVX512
+/* tanh as Cephes' tanhf: an odd polynomial up to |x| = 0.625, 1 - 2 / (e^(2|x|) + 1) beyond */
+static inline __m512 tanh512(__m512 x) {
+    const __m512 ax = _mm512_abs_ps(x), s = _mm512_mul_ps(x, x);
+    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(2.06390887954e-2f));
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(-5.37397155531e-2f));
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(1.33314422036e-1f));
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(-3.33332819422e-1f));
+    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, s), x, x);
+    const __m512 e = exp512(_mm512_add_ps(ax, ax));
+    const __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                                     _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+    const __m512 signed_big = _mm512_or_ps(big, _mm512_and_ps(x, _mm512_set1_ps(-0.0f)));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.625f), _CMP_GT_OQ), small, signed_big);
+}
+
+/* gelu_new on 16 float32 lanes, RND rounding each op's result as T would hold it */
+#define GELU16(v, RND)                                                                                  \
+    ({                                                                                                  \
+        const __m512 p_ = RND(_mm512_mul_ps(RND(_mm512_mul_ps(v, v)), v));                              \
+        const __m512 b_ = RND(_mm512_add_ps(v, RND(_mm512_mul_ps(p_, _mm512_set1_ps(GELU_A)))));       \
+        const __m512 t_ = RND(tanh512(RND(_mm512_mul_ps(b_, _mm512_set1_ps(GELU_C)))));                 \
+        const __m512 u_ = RND(_mm512_add_ps(t_, _mm512_set1_ps(1.0f)));                                 \
+        _mm512_mul_ps(RND(_mm512_mul_ps(v, _mm512_set1_ps(0.5f))), u_);                                 \
+    })
+/* x rounded to bfloat16 as float32 with integer ops only (bf16_bits: nearest even, NaN quieted,
+ * denormals kept): 8 roundings a vector through vcvtneps2bf16 and widening shuffles had made the bfloat16
+ * GELU 1.4x slower than the float32 one */
+static inline __m512 rnd_pairs(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16)); }
+static inline __m512 rnd_none(__m512 x) { return x; }
+
+#define DEFINE_GELU_LN(SUF, T)                                                                          \
+void gelu_new_##SUF(const T *x, T *out, long n, int num_threads) {                                      \
+    const long chunks = (n + 31) / 32;                                                                  \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (n >= PAR_MIN)")             \
+    for (long c = 0; c < chunks; c++) {                                                                 \
+        const long i = c * 32;                                                                          \
+        if (sizeof(T) == 2 && n - i >= 32) { /* bfloat16: 32 values as even and odd float32 lanes */   \
+            const __m512i xv = _mm512_loadu_si512((const uint16_t *)x + i);                             \
+            const __m512 e = bf16_even_f32(xv), o = bf16_odd_f32(xv);                                   \
+            const __m512 ge = GELU16(e, rnd_pairs), go = GELU16(o, rnd_pairs);                          \
+            _mm512_storeu_si512((uint16_t *)out + i, pack_pairs(ge, go));                               \
+            continue;                                                                                   \
+        }                                                                                               \
+        for (long j = i; j < i + 32 && j < n; j += 16) {                                                \
+            const __mmask16 mk = mask_upto(n - j < 16 ? (int)(n - j) : 16);                             \
+            const __m512 v = ld16_##SUF(x + j, mk);                                                     \
+            st16_##SUF(out + j, GELU16(v, rnd16_##SUF), mk);                                            \
+        }                                                                                               \
+    }                                                                                                   \
+}                                                                                                       \
+                                                                                                        \
+void layer_norm_##SUF(const T *x, long x_stride, const T *residual, const T *weight, const T *bias,     \
+                      T *out, T *residual_out, int rows, int hidden, float eps, int num_threads) {      \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * hidden >= PAR_MIN)") \
+    for (int r = 0; r < rows; r++) {                                                                    \
+        const T *xr = x + (long)r * x_stride;                                                           \
+        const T *rr = residual ? residual + (long)r * hidden : 0;                                       \
+        T *ro = residual_out ? residual_out + (long)r * hidden : 0;                                     \
+        T *o = out + (long)r * hidden;                                                                  \
+        __m512 sum = _mm512_setzero_ps();                                                               \
+        for (int d = 0; d < hidden; d += 16) {                                                          \
+            const __mmask16 mk = mask_upto(hidden - d);                                                 \
+            __m512 v = ld16_##SUF(xr + d, mk);                                                          \
+            if (rr) {                                                                                   \
+                v = rnd16_##SUF(_mm512_add_ps(v, ld16_##SUF(rr + d, mk)));                              \
+                st16_##SUF(ro + d, v, mk);                                                              \
+            }                                                                                           \
+            sum = _mm512_add_ps(sum, v);                                                                \
+        }                                                                                               \
+        const float mean = _mm512_reduce_add_ps(sum) / (float)hidden;                                   \
+        const T *src = rr ? ro : xr;                                                                    \
+        __m512 sq = _mm512_setzero_ps();                                                                \
+        for (int d = 0; d < hidden; d += 16) {                                                          \
+            const __mmask16 mk = mask_upto(hidden - d);                                                 \
+            const __m512 diff = _mm512_maskz_sub_ps(mk, ld16_##SUF(src + d, mk), _mm512_set1_ps(mean)); \
+            sq = _mm512_add_ps(sq, _mm512_mul_ps(diff, diff));                                          \
+        }                                                                                               \
+        const float rstd = 1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)hidden + eps);                \
+        const __m512 scale = _mm512_set1_ps(rstd), shift = _mm512_set1_ps(-mean * rstd);                \
+        for (int d = 0; d < hidden; d += 16) {                                                          \
+            const __mmask16 mk = mask_upto(hidden - d);                                                 \
+            const __m512 n = _mm512_add_ps(_mm512_mul_ps(ld16_##SUF(src + d, mk), scale), shift);       \
+            const __m512 y = _mm512_mul_ps(n, ld16_##SUF(weight + d, mk));                              \
+            st16_##SUF(o + d, bias ? _mm512_add_ps(y, ld16_##SUF(bias + d, mk)) : y, mk);               \
+        }                                                                                               \
+    }                                                                                                   \
+}
+#else
+#define DEFINE_GELU_LN(SUF, T, LOAD, STORE, ROUND)                                                      \
+void gelu_new_##SUF(const T *x, T *out, long n, int num_threads) {                                      \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (n >= PAR_MIN)")             \
+    for (long i = 0; i < n; i++) {                                                                      \
+        const float v = LOAD(x[i]);                                                                     \
+        const float b = ROUND(v + ROUND(ROUND(ROUND(v * v) * v) * GELU_A));                             \
+        const float u = ROUND(ROUND(tanhf(ROUND(b * GELU_C))) + 1.0f);                                  \
+        out[i] = STORE(ROUND(v * 0.5f) * u);                                                            \
+    }                                                                                                   \
+}                                                                                                       \
+                                                                                                        \
+void layer_norm_##SUF(const T *x, long x_stride, const T *residual, const T *weight, const T *bias,     \
+                      T *out, T *residual_out, int rows, int hidden, float eps, int num_threads) {      \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * hidden >= PAR_MIN)") \
+    for (int r = 0; r < rows; r++) {                                                                    \
+        const T *xr = x + (long)r * x_stride;                                                           \
+        const T *rr = residual ? residual + (long)r * hidden : 0;                                       \
+        T *ro = residual_out ? residual_out + (long)r * hidden : 0;                                     \
+        T *o = out + (long)r * hidden;                                                                  \
+        float sum = 0.f, sq = 0.f;                                                                      \
+        for (int d = 0; d < hidden; d++) {                                                              \
+            float v = LOAD(xr[d]);                                                                      \
+            if (rr) {                                                                                   \
+                v = ROUND(v + LOAD(rr[d]));                                                             \
+                ro[d] = STORE(v);                                                                       \
+            }                                                                                           \
+            sum += v;                                                                                   \
+        }                                                                                               \
+        const float mean = sum / (float)hidden;                                                         \
+        const T *src = rr ? ro : xr;                                                                    \
+        for (int d = 0; d < hidden; d++) { const float diff = LOAD(src[d]) - mean; sq += diff * diff; }  \
+        const float rstd = 1.0f / sqrtf(sq / (float)hidden + eps), shift = -mean * rstd;                \
+        for (int d = 0; d < hidden; d++) {                                                              \
+            const float y = (LOAD(src[d]) * rstd + shift) * LOAD(weight[d]);                            \
+            o[d] = STORE(bias ? y + LOAD(bias[d]) : y);                                                 \
+        }                                                                                               \
+    }                                                                                                   \
+}
+#endif
+#ifdef HAVE_AVX512
+DEFINE_GELU_LN(f32, float)
+DEFINE_GELU_LN(bf16, uint16_t)
+#else
+DEFINE_GELU_LN(f32, float, load_f32, store_f32, round_f32)
+DEFINE_GELU_LN(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+#endif
 
 /* out[r] = the first index of row r's maximum, or of its first NaN: what torch's max(dim).indices
  * returns. Reads bf16 logits as they are (no float32 copy of [rows, vocab] first). */

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from asyncengine.cpu import ops as cpu_ops
-from asyncengine.layers.activation import ActAndMul
-from asyncengine.layers.norm import RMSNorm
+from asyncengine.layers.activation import ActAndMul, gelu_new
+from asyncengine.layers.norm import LayerNorm, RMSNorm
 from asyncengine.layers.rotary import apply_rotary
 
 pytestmark = pytest.mark.skipif(cpu_ops.load_ops_library() is None, reason="no C compiler")
@@ -58,6 +58,48 @@ def test_silu_and_mul(build, dtype, rows, inter) -> None:
     x = torch.randn(rows, 2 * inter, dtype=dtype) * 4
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturating exponentials
     check(act(x), torch_path(act, x), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 100), (300, 768)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm(build, dtype, rows, hidden, bias) -> None:
+    torch.manual_seed(rows)
+    norm = LayerNorm(hidden, eps=1e-5, bias=bias).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+        if norm.bias is not None:
+            norm.bias.normal_()
+    x = torch.randn(rows, 3 * hidden, dtype=dtype)[:, hidden : 2 * hidden] * 3 + 1  # strided, off-centre
+    residual = torch.randn(rows, hidden, dtype=dtype)
+    x[0, :3], residual[0, :3] = torch.tensor([1e-39, -3e-40, 1e-39]), torch.tensor([0.0, 0.0, 2e-39])
+    ref, ref_res = torch_path(norm.fused_add, x, residual)
+    got, got_res = norm.fused_add(x, residual)
+    assert torch.equal(got_res, ref_res)  # x + residual rounded as torch's add
+    check(got, ref, dtype)
+    check(norm(x), torch_path(norm, x), dtype)
+    # the torch path is nn.LayerNorm's
+    torch.testing.assert_close(
+        torch_path(norm, x), torch.nn.functional.layer_norm(x, (hidden,), norm.weight, norm.bias, 1e-5)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 40), (64, 3072), (3, 7, 100)])
+def test_gelu_new(build, dtype, shape) -> None:
+    """HF's NewGELUActivation: bfloat16 bit for bit (the same rounding chain, pow's square rounded too);
+    float32 to tanh's last bit. Saturation, zeros, denormals, infinities and NaN as torch."""
+    x = torch.randn(shape, dtype=dtype) * 4
+    x.view(-1)[:8] = torch.tensor(
+        [-100.0, 100.0, 0.0, -0.0, 1e-39, float("inf"), float("-inf"), float("nan")]
+    )
+    got, ref = gelu_new(x), torch_path(gelu_new, x)
+    assert got.shape == ref.shape and got.dtype == dtype
+    assert torch.equal(got.isnan(), ref.isnan())  # NaN stays NaN (its sign and payload aside)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got.nan_to_num().view(torch.int16), ref.nan_to_num().view(torch.int16))
+    else:
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
