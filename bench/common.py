@@ -90,6 +90,18 @@ MODEL_SPECS["qwen05"] = dict(
     vocab_size=151936,
     max_position_embeddings=4096,
 )
+# Qwen3-0.6B's shape: 28 layers of hidden 1024, 16 heads of 128 (wider than hidden / heads) over 8 KV
+# heads, an RMSNorm over each query and key head (qk-norm), a tied 151,936-token vocabulary
+MODEL_SPECS["qwen3"] = dict(
+    hidden_size=1024,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+)
 # GPT-2 small's shape (124M): learned positions, LayerNorm, biased projections, a 4x GELU MLP, a tied
 # 50,257-token vocabulary; context 4,096 as medium4k's, for the sweep's longest cell
 MODEL_SPECS["gpt2"] = dict(
@@ -102,7 +114,7 @@ MODEL_SPECS["gpt2"] = dict(
     max_position_embeddings=4096,
 )
 # the HF family a spec is built as (default Llama: untied, no biases)
-MODEL_FAMILIES: dict[str, str] = {"qwen05": "qwen2", "gpt2": "gpt2"}
+MODEL_FAMILIES: dict[str, str] = {"qwen05": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
 # config.json names of GPT2Config's attributes (it maps the usual names onto them)
 CONFIG_ALIASES = {
     "hidden_size": "n_embd",
@@ -128,6 +140,16 @@ def build_model(name: str, root: Path = MODELS) -> Path:
     if MODEL_FAMILIES.get(name) == "gpt2":
         cfg = transformers.GPT2Config(**spec, bos_token_id=1, eos_token_id=2)
         cfg.architectures = ["GPT2LMHeadModel"]
+    elif MODEL_FAMILIES.get(name) == "qwen3":
+        cfg = transformers.Qwen3Config(
+            **spec,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+        )
+        cfg.architectures = ["Qwen3ForCausalLM"]
     elif MODEL_FAMILIES.get(name) == "qwen2":
         cfg = transformers.Qwen2Config(
             **spec,
@@ -157,8 +179,9 @@ def build_model(name: str, root: Path = MODELS) -> Path:
 def matmul_params(spec: dict[str, int], lm_head: bool = True) -> int:
     """Weights that take part in a token's matmuls (decoder projections [+ LM head]; not the embedding)."""
     h, i, v, L = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"], spec["num_hidden_layers"]
-    kv = h * spec["num_key_value_heads"] // spec["num_attention_heads"]
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i
+    head_dim = spec.get("head_dim", h // spec["num_attention_heads"])
+    q, kv = spec["num_attention_heads"] * head_dim, spec["num_key_value_heads"] * head_dim
+    per_layer = h * q * 2 + h * kv * 2 + 3 * h * i
     return L * per_layer + (h * v if lm_head else 0)
 
 

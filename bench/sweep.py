@@ -78,7 +78,7 @@ HERE = Path(__file__).resolve().parent
 PROMPT_RANGES = [(16, 256), (16, 1024), (512, 2048)]
 OUTPUT_RANGES = [(8, 64), (16, 128), (16, 256), (128, 512)]
 SHARED_OUTPUT = (16, 128)
-MODELS = ["medium4k", "gqa4k", "hd128-4k", "qwen05", "gpt2", "default"]
+MODELS = ["medium4k", "gqa4k", "hd128-4k", "qwen05", "qwen3", "gpt2", "default"]
 # the random models' context and vocabulary; --model default sets the bundled model's (bundled_model)
 MAX_MODEL_LEN = 2048 + 512 + 16
 VOCAB = 32000

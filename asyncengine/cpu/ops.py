@@ -26,7 +26,7 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 # read once: the lookup runs ~70 times a decode step, and a worker's environment does not change
 _enabled = os.environ.get("ASYNCENGINE_CPU_OPS", "1") != "0"
 _SIGNATURES = {
-    "rms_norm": [_P, _L, _P, _P, _P, _P, _I, _I, _F, _I],
+    "rms_norm": [_P, _L, _I, _P, _P, _P, _P, _I, _I, _F, _I],
     "silu_and_mul": [_P, _P, _I, _I, _I],
     "rotary": [_P, _L, _P, _P, _P, _I, _I, _I, _I, _I],
     "argmax_rows": [_P, _L, _I, _I, _P, _I],
@@ -100,6 +100,7 @@ def rms_norm(
     getattr(lib, f"rms_norm_{_SUFFIX[x.dtype]}")(
         x2.data_ptr(),
         x2.stride(0),
+        1,
         residual.data_ptr() if residual is not None else None,
         weight.data_ptr(),
         out.data_ptr(),
@@ -110,6 +111,33 @@ def rms_norm(
         torch.get_num_threads(),
     )
     return out, new_residual
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int) -> torch.Tensor | None:
+    """[T, heads * head_dim] -> the same with each head_dim-wide head RMS-normalised on its own (Qwen3's
+    q_norm / k_norm), read in place from a strided qkv slice: one call, no copy, no torch op (a decode
+    step's kernel graph takes it)."""
+    lib = _lib_for(x, weight)
+    x2 = _rows(x)
+    if lib is None or x2 is None or not weight.is_contiguous() or x2.shape[1] % head_dim:
+        return None
+    tokens, width = x2.shape
+    heads = width // head_dim
+    out = torch.empty(tokens, width, dtype=x.dtype)
+    getattr(lib, f"rms_norm_{_SUFFIX[x.dtype]}")(
+        x2.data_ptr(),
+        x2.stride(0),
+        heads,
+        None,
+        weight.data_ptr(),
+        out.data_ptr(),
+        None,
+        tokens * heads,
+        head_dim,
+        eps,
+        torch.get_num_threads(),
+    )
+    return out
 
 
 def layer_norm(

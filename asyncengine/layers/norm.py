@@ -26,6 +26,13 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
+    def per_head(self, x: torch.Tensor, head_dim: int) -> torch.Tensor:  # [T, H * D] -> [T, H * D]
+        """Each head_dim-wide head of every row normalised on its own (the weight is [head_dim])."""
+        fused = cpu_ops.rms_norm_heads(x, self.weight, self.eps, head_dim)
+        if fused is not None:
+            return fused
+        return self.forward(x.unflatten(-1, (-1, head_dim))).flatten(1)
+
     def fused_add(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]

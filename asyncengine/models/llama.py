@@ -91,8 +91,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], or [len(rows), hidden]
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))  # [T, H * D], [T, Hkv * D], [T, Hkv * D]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(1)
-            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(1)
+            q, k = self.q_norm.per_head(q, self.head_dim), self.k_norm.per_head(k, self.head_dim)
         out = self.attn(q, k, v, rope=(cos, sin), rows=rows)  # rotated there, with the cache write
         return self.o_proj(out) if out.shape[0] else hidden.new_empty((0, hidden.shape[1]))
 

@@ -19,7 +19,8 @@ static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 /* Both builds (AVX-512 below, portable C after #else) define the same three ops:
  * rms_norm: out = weight * T(x' * rsqrt(mean(x'^2) + eps)), x' = T(x + residual) (also stored in
  *   residual_out) or x when residual is NULL. Rows of x are x_stride elements apart; everything else
- *   is contiguous.
+ *   is contiguous. heads > 1 (without a residual): each row of x holds `heads` rows of `hidden` side by
+ *   side (Qwen3's q / k norm over each head), out row r being head r % heads of x's row r / heads.
  * rotary: the rotate-half (NeoX) embedding of `heads` heads per row: for the first 2 * half dims of a
  *   head, [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]; the rest is copied. x rows are x_stride
  *   elements apart; out is contiguous [rows, heads * head_dim]; cos, sin are [rows, half] in T.
@@ -87,11 +88,11 @@ static void rms_row_pairs(const uint16_t *xr, const uint16_t *rr, const uint16_t
 /* 16 lanes at a time: gcc does not vectorise the scalar bfloat16 rounding (its NaN branch), and the
  * scalar loop took ~1 ns an element (50 us for a [64, 768] decode step's norm, 25 of them a step). */
 #define DEFINE_OPS(SUF, T, LOAD, STORE, ROUND)                                                          \
-void rms_norm_##SUF(const T *x, long x_stride, const T *residual, const T *weight, T *out,               \
+void rms_norm_##SUF(const T *x, long x_stride, int heads, const T *residual, const T *weight, T *out,    \
                     T *residual_out, int rows, int hidden, float eps, int num_threads) {                 \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * hidden >= PAR_MIN)") \
     for (int r = 0; r < rows; r++) {                                                                    \
-        const T *xr = x + (long)r * x_stride;                                                           \
+        const T *xr = x + (long)(r / heads) * x_stride + (long)(r % heads) * hidden;                    \
         const T *rr = residual ? residual + (long)r * hidden : 0;                                       \
         T *ro = residual_out ? residual_out + (long)r * hidden : 0;                                     \
         T *o = out + (long)r * hidden;                                                                  \
@@ -156,11 +157,11 @@ void silu_and_mul_##SUF(const T *x, T *out, int rows, int inter, int num_threads
 }
 #else
 #define DEFINE_OPS(SUF, T, LOAD, STORE, ROUND)                                                          \
-void rms_norm_##SUF(const T *x, long x_stride, const T *residual, const T *weight, T *out,               \
+void rms_norm_##SUF(const T *x, long x_stride, int heads, const T *residual, const T *weight, T *out,    \
                     T *residual_out, int rows, int hidden, float eps, int num_threads) {                 \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if ((long)rows * hidden >= PAR_MIN)") \
     for (int r = 0; r < rows; r++) {                                                                    \
-        const T *xr = x + (long)r * x_stride;                                                           \
+        const T *xr = x + (long)(r / heads) * x_stride + (long)(r % heads) * hidden;                                                           \
         const T *rr = residual ? residual + (long)r * hidden : 0;                                       \
         T *ro = residual_out ? residual_out + (long)r * hidden : 0;                                     \
         T *o = out + (long)r * hidden;                                                                  \

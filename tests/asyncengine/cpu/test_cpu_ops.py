@@ -52,6 +52,23 @@ def test_rms_norm(build, dtype, rows, hidden) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 16, 128), (37, 4, 64), (5, 3, 40)])
+def test_rms_norm_per_head(build, dtype, tokens, heads, head_dim) -> None:
+    """Qwen3's q_norm / k_norm: each head of a strided qkv slice normalised on its own, in one call."""
+    torch.manual_seed(heads)
+    norm = RMSNorm(head_dim, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    width = heads * head_dim
+    x = torch.randn(tokens, 3 * width, dtype=dtype)[:, width : 2 * width] * 5  # a column slice of qkv
+    got = norm.per_head(x, head_dim)
+    assert got.shape == (tokens, width)
+    ref = torch_path(norm, x.unflatten(-1, (heads, head_dim))).flatten(1)
+    check(got, ref, dtype)
+    assert torch.equal(torch_path(norm.per_head, x, head_dim), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,inter", [(1, 40), (64, 2048), (3, 100)])
 def test_silu_and_mul(build, dtype, rows, inter) -> None:
     act = ActAndMul("silu")

@@ -62,8 +62,10 @@ def decode_inputs(runner: ModelRunner, seqs: list[SeqState], step: int) -> Model
         ("qwen2", {}, True, "bfloat16"),  # q/k/v biases
         ("mistral", {"sliding_window": 12}, True, "bfloat16"),  # windowed attention
         ("llama", {"num_key_value_heads": 1, "hidden_size": 128}, True, "bfloat16"),  # GQA 4:1
-        # q/k norms run as torch ops on [T, heads, D] views: more than a replay repeats, so eager throughout
-        ("qwen3", {"head_dim": 32}, False, "bfloat16"),
+        # q/k norms over each head of the qkv slice in one C call each (RMSNorm.per_head)
+        ("qwen3", {"head_dim": 32}, True, "bfloat16"),
+        # LayerNorm with the residual add and gelu_new in C; the position embedding a torch op (replayed)
+        ("gpt2", {}, True, "bfloat16"),
         # float32 linears on the quantized kernel's float32 tiles (AVX-512), SiLU-and-mul in the gated GEMM
         ("llama", {}, True, "float32"),
     ],
@@ -109,7 +111,11 @@ def test_replay_matches_eager_step_by_step(
             for s, t in zip(batch, tokens):
                 s.num_computed_tokens += 1
                 s.token_ids.append(t)
-    if captured and (cpu_amx.available() or (dtype == "float32" and quant_gemm.native_f32())):
+    kernels = {
+        "bfloat16": cpu_amx.available() or quant_gemm.native_bf16(),
+        "float32": quant_gemm.native_f32(),
+    }
+    if captured and kernels[dtype]:  # every linear a C kernel here (AMX, or the AVX-512 tiles)
         # 6 and then 3 sequences run padded to sizes 8 and 4: two graphs
         assert graphs.enabled and graphs.num_captures == 2 and set(graphs.kernel_graphs) == {8, 4}
     for graph in graphs.kernel_graphs.values():  # runs of kernel calls replayed from C: fewer steps
@@ -208,7 +214,7 @@ def test_a_function_first_looked_up_during_capture_is_captured_again() -> None:
 
 @pytest.mark.skipif(load_call_list_library() is None, reason="call lists need x86-64 / AArch64 Linux")
 def test_a_call_list_passes_every_argument_and_checks_results() -> None:
-    """Kernels with integer, pointer and float arguments (rms_norm's eps, the 9th) in one C call list give
+    """Kernels with integer, pointer and float arguments (rms_norm's eps, the 10th) in one C call list give
     what their ctypes calls give; a result other than the captured one stops the list and is named."""
     lib = load_ops_library()
     gen = torch.Generator().manual_seed(0)
@@ -218,7 +224,7 @@ def test_a_call_list_passes_every_argument_and_checks_results() -> None:
 
     def forward() -> None:
         for o, e in zip(outs, eps):
-            lib.rms_norm_f32(x.data_ptr(), 64, None, w.data_ptr(), o.data_ptr(), None, 3, 64, e, 1)
+            lib.rms_norm_f32(x.data_ptr(), 64, 1, None, w.data_ptr(), o.data_ptr(), None, 3, 64, e, 1)
 
     graph = KernelGraph.capture(forward)
     assert graph.num_kernel_calls == 3 and graph.num_steps == 1
