@@ -277,7 +277,7 @@ static void store_tile(const __m512 *acc, int rows, int r0, int col0, int n, voi
  * each tile's rows in row tiles, the work run tile by tile so that a tile's weight panel is read once for
  * all its rows. Thread th of nt takes the stretch [th C / nt, (th + 1) C / nt) of it, C = blocks x m
  * block-rows, cut at a multiple of `gran` rows inside a tile: a tile may be shared by two threads (each
- * reads its panel), and the threads' shares differ by less than gran rows of one tile. `omp for` over whole
+ * reads its panel), and the threads' shares differ by at most gran rows of one tile. `omp for` over whole
  * tiles left a thread a tile more whenever the tiles did not divide evenly: 896 outputs are 19 tiles, 10
  * against 9 on two threads (5-7% off that GEMM, measured at M = 2048), 2 against 1 on sixteen. Where m is
  * gran rows or fewer there is no row to cut at, so the blocks are split instead (a thread's tiles start at
@@ -368,7 +368,8 @@ static inline __attribute__((always_inline)) void tile_f32(int rows, int nb, con
 /* Plain (bfloat16 or float32) weights, out = x W^T + b: tiles of NB_MAX blocks (the last tile narrower) x MT
  * rows through TILE(rows, nb, x, wb, acc, pf) (tile_bf16 / tile_f32 with the function's x_stride, k_int
  * and bstride), split over the threads by thread_share; at decode-sized M each later row tile prefetches a
- * share of the thread's next tile's panel (next_share). XT: the activations' element type; OUT_BF16: the output's. */
+ * share of the thread's next tile's panel (next_share). XT: the activations' element type; OUT_BF16: the
+ * output's. */
 #define DEFINE_PLAIN_WEIGHTS(NAME, TILE, XT, QTYPE, OUT_BF16)                                                \
     static int NAME(const void *x, long x_stride, const uint8_t *w, const void *bias, void *out,             \
                     long out_stride, int m, int n, int k_int, int num_threads) {                              \
