@@ -17,14 +17,15 @@ the cell's time minus its row's prefill-only time. Greedy, EOS ignored: every en
 number of tokens. --temperature (with --top-p, --top-k) samples instead, unseeded, as vLLM's own
 throughput benchmark does (temperature 1.0): the same SamplingParams in both engines.
 
-Model: "medium4k", a seeded random ~110M-matmul-parameter Llama (bench/common.py: hidden 768, 12
-layers, 12 heads of 64 with a KV head each, vocab 32000, 4096 positions); --model gqa4k (hidden 1024,
-16 heads of 64 over 4 KV heads) or hd128-4k (8 heads of 128 over 2 KV heads) for other attention
-shapes; --model qwen05, Qwen2.5-0.5B's shape (24 layers of hidden 896, 14 heads over 2 KV heads, biased
-q/k/v, a tied 151,936-token vocabulary; ~4x medium's work a token); --model default, the bundled default
-model (head_dim 32, 1024 positions: only the cells whose every request fits, the p16-256 row and two of
-p16-1024's). Each engine loads it once per dtype and runs
-every cell, so start-up is not timed; each cell starts with a cold prefix cache (both engines'
+Model: "medium4k", a seeded random ~110M-matmul-parameter Llama (bench/common.py: hidden 768, 12 layers,
+12 heads of 64 with a KV head each, vocab 32000, 4096 positions); --model gqa4k (hidden 1024, 16 heads of
+64 over 4 KV heads) or hd128-4k (8 heads of 128 over 2 KV heads) for other attention shapes; --model
+qwen05, Qwen2.5-0.5B's shape (24 layers of hidden 896, 14 heads over 2 KV heads, biased q/k/v, a tied
+151,936-token vocabulary; ~4x medium's work a token), qwen3 (Qwen3-0.6B's: 28 layers, 16 heads of 128 over
+8 KV heads, qk-norm, the same vocabulary) or gpt2 (GPT-2 small's: LayerNorm, GELU, learned positions);
+--model default, the bundled default model (head_dim 32, 1024 positions: only the cells whose every
+request fits, the p16-256 row and two of p16-1024's). Each engine loads it once per dtype and runs every
+cell, so start-up is not timed; each cell starts with a cold prefix cache (both engines'
 reset_prefix_cache).
 
 Engines: asyncengine (`LLM`, --threads torch threads), vLLM-CPU bound to --threads cores
