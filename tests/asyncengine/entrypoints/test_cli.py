@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -43,11 +44,15 @@ class Background:
 
 
 @pytest.fixture(scope="module")
-def background(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Background]:
-    """The slow processes, started at once so their start-ups overlap: a `generate` run and two servers."""
+def background(
+    chat_model: Path, tiny_model_factory: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Background]:
+    """The slow processes, started at once so their start-ups overlap: a `generate` run and two servers.
+    The SIGTERM one serves the tiny model with 16,384 positions: its requests can outlast any grace."""
     tmp = tmp_path_factory.mktemp("cli")
     port = free_port()
-    term = start_server(chat_model, tmp, "--shutdown-timeout", "0.2", port=port, wait=False)
+    long_model = tiny_model_factory("llama", tokenizer=True, max_position_embeddings=16384)
+    term = start_server(long_model, tmp, "--shutdown-timeout", "0.2", port=port, wait=False)
     kill = start_server(chat_model, tmp, wait=False)
     gen = cli(
         tmp,
@@ -99,9 +104,10 @@ def test_health_while_loading_then_sigterm_drains_and_exits_clean(background: Ba
     workers = children(srv.proc.pid)
     assert workers
     with connect(srv.ws_url, open_timeout=20) as ws:
-        # four requests of ~1000 tokens (the KV cache holds them all) take seconds even on a fast machine,
-        # far past the 0.2 s grace: the shutdown must abort every one (a 1 s grace and one request was
-        # once outrun by a fast CI machine, which finished it with 'length')
+        # four requests of 15,000 tokens (the KV cache holds them all: 512 bytes a token) take seconds on any
+        # machine, far past the 0.2 s grace: the shutdown must abort every one. 1,000-token requests were
+        # outrun: a CI run finished all four with 'length' (the tiny model's decode steps replay as kernel
+        # graphs in a fraction of a millisecond), as a 1 s grace and one such request had been before.
         for i in range(4):
             ws.send(
                 json.dumps(
@@ -109,7 +115,7 @@ def test_health_while_loading_then_sigterm_drains_and_exits_clean(background: Ba
                         "type": "generate",
                         "request_id": f"long-{i}",
                         "prompt": "x",
-                        "params": {"max_tokens": 1000, "ignore_eos": True},
+                        "params": {"max_tokens": 15000, "ignore_eos": True},
                     }
                 )
             )
