@@ -153,6 +153,7 @@ def metric(server: ServerProcess, name: str) -> float:
 
 
 ABORTS = 'request_success_total{finished_reason="abort"}'
+LENGTHS = 'request_success_total{finished_reason="length"}'
 
 
 def wait_aborted(server: ServerProcess, aborts_before: float, timeout_s: float = 20.0) -> float:

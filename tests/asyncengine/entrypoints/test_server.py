@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 
 import httpx
 import openai
 import pytest
-from server_process import ABORTS, API_KEY, NUM_KV_BLOCKS, ServerProcess, metric, wait_aborted
+from server_process import ABORTS, API_KEY, LENGTHS, NUM_KV_BLOCKS, ServerProcess, metric, wait_aborted
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -237,22 +238,53 @@ async def test_cancel_and_disconnect_free_kv_blocks(server: ServerProcess) -> No
     aborts = metric(server, ABORTS)
     async with ws_connect(server) as ws:
         await cancel_a_running_request(server, ws, long)
-        aborts = await asyncio.to_thread(wait_aborted, server, aborts)
-        await ws.send(
-            json.dumps({"type": "generate", "request_id": "gone", "prompt": "close", "params": long})
-        )
-        await ws.recv()
-    aborts = await asyncio.to_thread(wait_aborted, server, aborts)  # closing the socket aborted "gone"
-    async with httpx.AsyncClient(base_url=server.base, headers=AUTH, timeout=30) as http:
-        async with http.stream(
-            "POST", "/v1/completions", json={"prompt": "sse", "stream": True, **long}
-        ) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data:"):
-                    break  # leaving the block drops the connection mid-stream
     aborts = await asyncio.to_thread(wait_aborted, server, aborts)
-    await give_up_on_a_running_request(server, {"prompt": "slow", **long})
-    await asyncio.to_thread(wait_aborted, server, aborts)
+
+    async def close_the_socket(attempt: int) -> None:
+        async with ws_connect(server) as ws:
+            request = {"type": "generate", "request_id": f"gone-{attempt}", "prompt": "close", "params": long}
+            await ws.send(json.dumps(request))
+            await ws.recv()
+
+    aborts = await hang_up_until_aborted(server, close_the_socket, aborts)
+
+    async def drop_the_stream(attempt: int) -> None:
+        async with httpx.AsyncClient(base_url=server.base, headers=AUTH, timeout=30) as http:
+            async with http.stream(
+                "POST", "/v1/completions", json={"prompt": f"sse {attempt}", "stream": True, **long}
+            ) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        break  # leaving the block drops the connection mid-stream
+
+    aborts = await hang_up_until_aborted(server, drop_the_stream, aborts)
+
+    async def give_up(attempt: int) -> None:
+        await give_up_on_a_running_request(server, {"prompt": f"slow {attempt}", **long})
+
+    await hang_up_until_aborted(server, give_up, aborts)
+
+
+async def hang_up_until_aborted(
+    server: ServerProcess, hang_up: Callable[[int], Awaitable[None]], aborts: float
+) -> float:
+    """Runs `hang_up(attempt)`, a request whose client goes away once the server runs it, until the server
+    aborts one, then waits until every KV block is free again; returns the abort count. The tiny model
+    makes its ~1,000 tokens in well under a second on a fast CPU, so on a loaded machine a request can finish
+    before the server sees its client gone (seen in CI, 2026-12-07, for a non-streaming request): such an
+    attempt ends with 'length', aborts nothing, and is tried again."""
+    for attempt in range(5):
+        lengths = await asyncio.to_thread(metric, server, LENGTHS)
+        await hang_up(attempt)
+        deadline = asyncio.get_running_loop().time() + 20
+        while True:
+            if await asyncio.to_thread(metric, server, ABORTS) > aborts:
+                return await asyncio.to_thread(wait_aborted, server, aborts)
+            if await asyncio.to_thread(metric, server, LENGTHS) > lengths:
+                break  # it finished first
+            assert asyncio.get_running_loop().time() < deadline, "neither aborted nor finished"
+            await asyncio.sleep(0.05)
+    pytest.fail("every request finished before the server saw its client go")
 
 
 async def cancel_a_running_request(server: ServerProcess, ws, params: dict) -> None:
