@@ -33,7 +33,10 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 KEY = "sk-browser-key"
-LONG = 3000  # max tokens of a generation that is stopped long before its end (the KV cache holds 4096)
+# max tokens of a generation that is stopped long before its end (the context, and the servers' 256 KV blocks
+# of 64 tokens, hold 16,384). 3,000 of 4,096 were outrun: the tiny model made them while the page set up a
+# compare pair beside it (CI, 2026-12-07)
+LONG = 12_000
 # ... with EOS ignored: the tiny model's distribution is near uniform over 512 tokens, so a sampled
 # generation meets EOS after ~500 tokens on average and ~10% of them within the first 50
 FRAME_LIMIT = 20_000  # the server's --max-frame-bytes: a longer prompt's frame gets a 413
@@ -56,7 +59,7 @@ def browser() -> Iterator:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return chat_model(tmp_path_factory, max_position_embeddings=4096)  # room for a long generation
+    return chat_model(tmp_path_factory, max_position_embeddings=16384)  # room for a long generation
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +134,7 @@ def test_streams_a_completion_with_live_figures(browser, server) -> None:  # noq
     page = open_page(browser, server.base)
     connected(page)
     header = page.inner_text("#model-info")  # the server's /v1/models card
-    assert "max_model_len 4096" in header and "float32" in header, header
+    assert "max_model_len 16384" in header and "float32" in header, header
     assert "tp 1 × pp 1 × dp 1 (mp)" in header, header
     # every change of the output text, as the page shows it
     page.evaluate(
@@ -348,7 +351,7 @@ def test_a_loading_server_shows_503_then_connects(browser, server) -> None:  # n
     assert "the model is still loading" in page.inner_text("#conn-status")
     loading["on"] = False
     connected(page)  # retried by itself
-    assert "max_model_len 4096" in page.inner_text("#model-info")
+    assert "max_model_len 16384" in page.inner_text("#model-info")
 
 
 def test_a_dropped_connection_reconnects(browser, server) -> None:  # noqa: ANN001

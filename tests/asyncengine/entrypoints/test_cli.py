@@ -52,7 +52,10 @@ def background(
     tmp = tmp_path_factory.mktemp("cli")
     port = free_port()
     long_model = tiny_model_factory("llama", tokenizer=True, max_position_embeddings=16384)
-    term = start_server(long_model, tmp, "--shutdown-timeout", "0.2", port=port, wait=False)
+    # 1,024 blocks of 64 tokens: the four 15,000-token requests below fit at once (512 bytes a token)
+    term = start_server(
+        long_model, tmp, "--shutdown-timeout", "0.2", "--num-kv-blocks", "1024", port=port, wait=False
+    )
     kill = start_server(chat_model, tmp, wait=False)
     gen = cli(
         tmp,
@@ -104,7 +107,7 @@ def test_health_while_loading_then_sigterm_drains_and_exits_clean(background: Ba
     workers = children(srv.proc.pid)
     assert workers
     with connect(srv.ws_url, open_timeout=20) as ws:
-        # four requests of 15,000 tokens (the KV cache holds them all: 512 bytes a token) take seconds on any
+        # four requests of 15,000 tokens (the KV cache holds them all) take seconds on any
         # machine, far past the 0.2 s grace: the shutdown must abort every one. 1,000-token requests were
         # outrun: a CI run finished all four with 'length' (the tiny model's decode steps replay as kernel
         # graphs in a fraction of a millisecond), as a 1 s grace and one such request had been before.
