@@ -83,13 +83,21 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
     return x
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+def _norm_rows(
+    name: str,
+    x: torch.Tensor,
+    params: tuple[torch.Tensor | None, ...],
+    eps: float,
+    residual: torch.Tensor | None,
+    *before_residual: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """[T, hidden] -> (norm(x'), x') with x' = x + residual, or (norm(x), None) without a residual."""
-    lib = _lib_for(x, weight) if residual is None else _lib_for(x, weight, residual)
+    """rms_norm / layer_norm over the rows of x with an optional residual add: the checks, the outputs and
+    the call they share. The C functions take (x, x_stride, *before_residual, residual, *params, out,
+    residual_out, rows, hidden, eps, num_threads); a None param (LayerNorm without a bias) passes NULL."""
+    present = tuple(p for p in params if p is not None)
+    lib = _lib_for(x, *present) if residual is None else _lib_for(x, *present, residual)
     x2 = _rows(x)
-    if lib is None or x2 is None or not weight.is_contiguous():
+    if lib is None or x2 is None or any(not p.is_contiguous() for p in present):
         return None
     rows, hidden = x2.shape
     out = torch.empty(rows, hidden, dtype=x.dtype)
@@ -97,12 +105,12 @@ def rms_norm(
     if residual is not None:
         residual = residual.contiguous()
         new_residual = torch.empty(rows, hidden, dtype=x.dtype)
-    getattr(lib, f"rms_norm_{_SUFFIX[x.dtype]}")(
+    getattr(lib, f"{name}_{_SUFFIX[x.dtype]}")(
         x2.data_ptr(),
         x2.stride(0),
-        1,
+        *before_residual,
         residual.data_ptr() if residual is not None else None,
-        weight.data_ptr(),
+        *(p.data_ptr() if p is not None else None for p in params),
         out.data_ptr(),
         new_residual.data_ptr() if new_residual is not None else None,
         rows,
@@ -111,6 +119,13 @@ def rms_norm(
         torch.get_num_threads(),
     )
     return out, new_residual
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """[T, hidden] -> (norm(x'), x') with x' = x + residual, or (norm(x), None) without a residual."""
+    return _norm_rows("rms_norm", x, (weight,), eps, residual, 1)  # 1: one head a row
 
 
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int) -> torch.Tensor | None:
@@ -148,31 +163,7 @@ def layer_norm(
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """[T, hidden] -> (layer_norm(x'), x') with x' = x + residual, or (layer_norm(x), None) without one."""
-    params = (weight,) if bias is None else (weight, bias)
-    lib = _lib_for(x, *params) if residual is None else _lib_for(x, *params, residual)
-    x2 = _rows(x)
-    if lib is None or x2 is None or any(not p.is_contiguous() for p in params):
-        return None
-    rows, hidden = x2.shape
-    out = torch.empty(rows, hidden, dtype=x.dtype)
-    new_residual = None
-    if residual is not None:
-        residual = residual.contiguous()
-        new_residual = torch.empty(rows, hidden, dtype=x.dtype)
-    getattr(lib, f"layer_norm_{_SUFFIX[x.dtype]}")(
-        x2.data_ptr(),
-        x2.stride(0),
-        residual.data_ptr() if residual is not None else None,
-        weight.data_ptr(),
-        bias.data_ptr() if bias is not None else None,
-        out.data_ptr(),
-        new_residual.data_ptr() if new_residual is not None else None,
-        rows,
-        hidden,
-        eps,
-        torch.get_num_threads(),
-    )
-    return out, new_residual
+    return _norm_rows("layer_norm", x, (weight, bias), eps, residual)
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor | None:
