@@ -115,6 +115,15 @@ MODEL_SPECS["gpt2"] = dict(
 )
 # the HF family a spec is built as (default Llama: untied, no biases)
 MODEL_FAMILIES: dict[str, str] = {"qwen05": "qwen2", "qwen3": "qwen3", "gpt2": "gpt2"}
+# per family: HF's config class, the architecture, and the options beside the spec (every family's models
+# take bos 1 / eos 2); the Qwen ones tie the LM head to the embedding as the real models do
+_QWEN_OPTIONS: dict[str, Any] = dict(tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6)
+FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, rms_norm_eps=1e-5)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _QWEN_OPTIONS),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", _QWEN_OPTIONS),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
+}
 # config.json names of GPT2Config's attributes (it maps the usual names onto them)
 CONFIG_ALIASES = {
     "hidden_size": "n_embd",
@@ -137,34 +146,9 @@ def build_model(name: str, root: Path = MODELS) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    if MODEL_FAMILIES.get(name) == "gpt2":
-        cfg = transformers.GPT2Config(**spec, bos_token_id=1, eos_token_id=2)
-        cfg.architectures = ["GPT2LMHeadModel"]
-    elif MODEL_FAMILIES.get(name) == "qwen3":
-        cfg = transformers.Qwen3Config(
-            **spec,
-            tie_word_embeddings=True,
-            bos_token_id=1,
-            eos_token_id=2,
-            rms_norm_eps=1e-6,
-            rope_theta=1e6,
-        )
-        cfg.architectures = ["Qwen3ForCausalLM"]
-    elif MODEL_FAMILIES.get(name) == "qwen2":
-        cfg = transformers.Qwen2Config(
-            **spec,
-            tie_word_embeddings=True,
-            bos_token_id=1,
-            eos_token_id=2,
-            rms_norm_eps=1e-6,
-            rope_theta=1e6,
-        )
-        cfg.architectures = ["Qwen2ForCausalLM"]
-    else:
-        cfg = transformers.LlamaConfig(
-            **spec, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5
-        )
-        cfg.architectures = ["LlamaForCausalLM"]
+    config_class, architecture, options = FAMILY_CONFIGS[MODEL_FAMILIES.get(name, "llama")]
+    cfg = getattr(transformers, config_class)(**spec, bos_token_id=1, eos_token_id=2, **options)
+    cfg.architectures = [architecture]
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp, safe_serialization=True)  # then renamed: a half-written model is never reused
