@@ -392,6 +392,167 @@ static inline __attribute__((always_inline)) void row_prefetch_step(RowPrefetch 
     }
 }
 
+/* ---- Decode scores with the keys in the lanes, for grouped-query attention (bfloat16 q and K) ----
+ * The dots above take one key at a time: each head's dot is 16 partial sums, and the reduction tree costs
+ * ~3 shuffles and adds a head and key on top of its vdpbf16ps (two at head_dim 64), the same for every
+ * head of a KV head. Here 16 keys of a KV head are transposed once (keys_in_lanes8: lane i holds key i's
+ * pair of dims) and each of the KV head's heads takes one vdpbf16ps per pair of dims with its query pair
+ * broadcast: 16 keys' dots in one accumulator, no reduction. The transposes are shared by the group's
+ * heads, so they pay where a KV head has heads enough for its head_dim (LANES_PAY). The sums run over the
+ * pairs in order, even and odd apart (the dots above add 16 lanes of pairs in a tree): float32 roundings
+ * differ, not the products, and a row's scores still do not depend on the batch. Scores come out [head]
+ * [16 keys] and are transposed 16 heads at a time into the softmax's [hg / 16][sb][16] layout. */
+#ifdef __AVX512BF16__
+/* Where the keys in the lanes pay: the transposes cost D / (8 G) shuffles a key and head, the tree ~3
+ * (one thread, keys in L2, ns a key and head, old -> new: head_dim 64 with 7 heads a KV head 2.28 -> 1.9,
+ * 5 heads 2.5 -> 2.3, 4 heads level; head_dim 32 with 3-6 heads 2.4-2.7 -> 1.4-1.9; head_dim 96 with 8
+ * heads 4.3 -> 2.8; head_dim 128 with 7 heads 3.5-3.6 -> 3.4, and 8% slower out of cache; with 4 heads
+ * 8% slower). */
+#ifndef LANES_PAY
+#define LANES_PAY(group, head_dim) (5 * (head_dim) <= 64 * (group))
+#endif
+/* r[i] lane j -> r[j] lane i, for 16 rows of 16 dwords (64 shuffles) */
+static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* b[4m + c], 128-bit lane L: column 4L + c of rows 4m .. 4m + 3 */
+        b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+        b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+        b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+        b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i p = _mm512_shuffle_i32x4(b[c], b[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i q = _mm512_shuffle_i32x4(b[c], b[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+        const __m512i s = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i u = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+        r[c] = _mm512_shuffle_i32x4(p, s, _MM_SHUFFLE(2, 0, 2, 0));
+        r[4 + c] = _mm512_shuffle_i32x4(q, u, _MM_SHUFFLE(2, 0, 2, 0));
+        r[8 + c] = _mm512_shuffle_i32x4(p, s, _MM_SHUFFLE(3, 1, 3, 1));
+        r[12 + c] = _mm512_shuffle_i32x4(q, u, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+/* 16 keys' 8 pairs of dims (rows kh, kv_stride apart; rows from m on read as 0) -> t[j] lane i = key i's
+ * pair j: rows i and i + 8 side by side in one vector, then an 8 x 8 dword transpose in each half (32
+ * shuffles). 8 pairs, not 16, so that two accumulators a head fit in the registers beside them. */
+static inline __attribute__((always_inline)) void keys_in_lanes8(const uint16_t *kh, long kv_stride, int m,
+                                                                 __m512i t[8]) {
+    __m512i r[8], a[8], b[8];
+    for (int i = 0; i < 8; i++) {
+        const __m256i lo = i < m ? _mm256_loadu_si256((const __m256i *)(kh + i * kv_stride)) : _mm256_setzero_si256();
+        const __m256i hi =
+            i + 8 < m ? _mm256_loadu_si256((const __m256i *)(kh + (i + 8) * kv_stride)) : _mm256_setzero_si256();
+        r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    for (int i = 0; i < 8; i += 2) {
+        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* b[4h + c], 128-bit lane L: pair 4 (L & 1) + c of 4 rows from 4h (+8) */
+        b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+        b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+        b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+        b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+    }
+    const __m512i even = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), odd = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int c = 0; c < 4; c++) {
+        t[c] = _mm512_permutex2var_epi64(b[c], even, b[4 + c]);
+        t[4 + c] = _mm512_permutex2var_epi64(b[c], odd, b[4 + c]);
+    }
+}
+/* dots of GS heads (queries q, qw bfloat16 apart) with m <= 16 keys (rows kh, kv_stride apart) -> tmp
+ * [GS][16] (keys past m: 0). Two accumulators a head (even and odd pairs): one chain of vdpbf16ps a head
+ * left a group of 4-8 heads bound by the instruction's latency. */
+static inline __attribute__((always_inline)) void lane_dots_gs(int GS, const uint16_t *q, int qw, const uint16_t *kh,
+                                                               int m, long kv_stride, int head_dim, float *tmp,
+                                                               RowPrefetch *kp, RowPrefetch *vp) {
+    __m512 acc[2][8];
+    for (int g = 0; g < GS; g++) acc[0][g] = acc[1][g] = _mm512_setzero_ps();
+    for (int d0 = 0; d0 < head_dim; d0 += 16) {
+        __m512i t[8];
+        row_prefetch_step(kp);
+        row_prefetch_step(vp);
+        keys_in_lanes8(kh + d0, kv_stride, m, t);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++)
+#pragma GCC unroll 8
+            for (int g = 0; g < GS; g++) {
+                int32_t pair;
+                memcpy(&pair, q + (long)g * qw + d0 + 2 * j, sizeof pair);
+                acc[j & 1][g] = _mm512_dpbf16_ps(acc[j & 1][g], (__m512bh)t[j], (__m512bh)_mm512_set1_epi32(pair));
+            }
+    }
+    for (int g = 0; g < GS; g++) _mm512_storeu_ps(tmp + g * 16, _mm512_add_ps(acc[0][g], acc[1][g]));
+}
+static inline __attribute__((always_inline)) void lane_dots_at(const uint16_t *q, float *scores, const uint16_t *kb,
+                                                               const uint16_t *v_here, int n, int nkv, int group,
+                                                               int head_dim, int qw, int sb, long kv_stride,
+                                                               float scale) {
+    const int hg = nkv * group, hg16 = (hg + 15) / 16 * 16;
+    float tmp[hg16 * 16];
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int x = hg; x < hg16; x++) _mm512_storeu_ps(tmp + x * 16, _mm512_setzero_ps());
+    const long row_bytes = (long)nkv * head_dim * 2, stride = kv_stride * 2;
+    /* the prefetch steps of a 16-key chunk: one per KV head, slab of 16 dims and run of up to 8 heads */
+    const int steps = nkv * (head_dim / 16) * ((group + 7) / 8);
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const int m = n - t0 < 16 ? n - t0 : 16, next = n - t0 - 16 < 16 ? n - t0 - 16 : 16;
+        /* Spread over the chunk's work: the next 16 keys' K rows (the transposes read 16 rows a column at a
+         * time, a walk the hardware prefetcher does not follow as it does a row-by-row one) and these keys'
+         * V rows for the values pass. The values pass before fetched the first 8 rows of the block. */
+        RowPrefetch kp = row_prefetch(next > 0 ? kb + (t0 + 16) * kv_stride : NULL, stride, row_bytes, next, steps);
+        RowPrefetch vp = row_prefetch(v_here ? v_here + t0 * kv_stride : NULL, stride, row_bytes, m, steps);
+        if (t0 == 0) /* rows 8-15 of the block's first chunk */
+            for (int t = 8; t < m; t++)
+                for (long b = 0; b < row_bytes; b += 64) _mm_prefetch((const char *)(kb + t * kv_stride) + b, PREFETCH_HINT);
+        for (int h = 0; h < nkv; h++)
+            for (int g0 = 0; g0 < group; g0 += 8) {
+                const int x = h * group + g0, gs = group - g0 < 8 ? group - g0 : 8;
+                const uint16_t *qh = q + (long)x * qw, *kh = kb + t0 * kv_stride + (long)h * head_dim;
+                float *const o = tmp + x * 16;
+                switch (gs) {
+                case 8: lane_dots_gs(8, qh, qw, kh, m, kv_stride, head_dim, o, &kp, &vp); break;
+                case 7: lane_dots_gs(7, qh, qw, kh, m, kv_stride, head_dim, o, &kp, &vp); break;
+                case 6: lane_dots_gs(6, qh, qw, kh, m, kv_stride, head_dim, o, &kp, &vp); break;
+                case 5: lane_dots_gs(5, qh, qw, kh, m, kv_stride, head_dim, o, &kp, &vp); break;
+                case 4: lane_dots_gs(4, qh, qw, kh, m, kv_stride, head_dim, o, &kp, &vp); break;
+                case 3: lane_dots_gs(3, qh, qw, kh, m, kv_stride, head_dim, o, &kp, &vp); break;
+                case 2: lane_dots_gs(2, qh, qw, kh, m, kv_stride, head_dim, o, &kp, &vp); break;
+                default: lane_dots_gs(1, qh, qw, kh, m, kv_stride, head_dim, o, &kp, &vp); break;
+                }
+            }
+        for (int c0 = 0; c0 < hg; c0 += 16) { /* [16 heads][16 keys] -> [16 keys][16 heads], scaled */
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(tmp + (c0 + i) * 16);
+            transpose16x16(r);
+            for (int t = 0; t < m; t++)
+                _mm512_store_ps(scores + c0 * sb + (t0 + t) * 16, _mm512_mul_ps(_mm512_castsi512_ps(r[t]), sc));
+        }
+    }
+}
+/* Takes the scores where it pays (LANES_PAY, head_dim a multiple of 32); returns whether it did. */
+static inline int lane_dots(const void *q, float *scores, const void *kb, const void *v_here, int n, int nkv,
+                            int group, int head_dim, int qw, int sb, long kv_stride, float scale) {
+    if (!LANES_PAY(group, head_dim) || head_dim % 32) return 0;
+    const uint16_t *qb = (const uint16_t *)q, *k = (const uint16_t *)kb, *v = (const uint16_t *)v_here;
+    if (head_dim == 64) /* the usual one with heads enough: its slab loop unrolled */
+        lane_dots_at(qb, scores, k, v, n, nkv, group, 64, qw, sb, kv_stride, scale);
+    else
+        lane_dots_at(qb, scores, k, v, n, nkv, group, head_dim, qw, sb, kv_stride, scale);
+    return 1;
+}
+#endif
+/* the kernels whose q or K is not bfloat16 */
+static inline int no_lane_dots(const void *q, float *scores, const void *kb, const void *v_here, int n, int nkv,
+                               int group, int head_dim, int qw, int sb, long kv_stride, float scale) {
+    (void)q, (void)scores, (void)kb, (void)v_here, (void)n, (void)nkv, (void)group, (void)head_dim, (void)qw;
+    (void)sb, (void)kv_stride, (void)scale;
+    return 0;
+}
+
 /* One row's heads over n keys of one cache block, in two halves: scores = q.k and the online softmax over
  * them (rescaling acc); then acc += p.v (NAME##_values). Scores are laid out [hg / 16][sb][16]: a key's
  * dots with 16 heads are reduced together (hsum16x16) into one vector, and the softmax then works on 16
@@ -406,7 +567,7 @@ static inline __attribute__((always_inline)) void row_prefetch_step(RowPrefetch 
  * 39.2 -> 42.8 / 43.1 / 44.7 / 44.7 GB/s; 16 heads over 4 KV heads 24.1 / 23.6 -> 32.7 / 32.2; 8 heads of
  * 128 over 2 KV heads 23.3 / 24.3 -> 31.0 / 32.2; 16-token blocks 28.6 / 29.5 -> 33.0 / 33.8; float32
  * 39.3 / 40.2 / 41.0 -> 41.3 / 41.5 / 43.2. */
-#define DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32)                                                 \
+#define DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32, LANE_DOTS)                                               \
 /* scores = q.k on the vector units: called with a constant head_dim for the usual 64 and 128, so that \
  * the dots and the loop over 16 heads unroll into straight-line code. Generic, each head cost a        \
  * division and a two-trip inner loop with its branches and masks: with 12 heads of 64 bfloat16 K/V in  \
@@ -441,6 +602,8 @@ static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, f
     if (qt) /* on AMX tiles (amx_scores): the heads of a KV head share its key rows */                   \
         amx_scores(qt, (const uint16_t *)kb, (const char *)v_here, scores, n, hg, group, head_dim, sb,   \
                    kv_stride, (long)nkv * head_dim * (long)sizeof(KT), scale);                          \
+    else if (LANE_DOTS(qf, scores, kb, v_here, n, nkv, group, head_dim, qw, sb, kv_stride, scale))      \
+        ; /* grouped heads with the keys in the lanes (lane_dots) */                                    \
     else if (head_dim == 64)                                                                            \
         NAME##_dots(qf, scores, kb, v_here, n, nkv, group, 64, qw, sb, kv_stride, scale);                \
     else if (head_dim == 128)                                                                           \
@@ -635,8 +798,8 @@ static inline void flush_state(float *dst, int h0, int hg, int width, float *acc
  * heads while there are items enough to keep the threads busy (the keys of a cache block are then one
  * contiguous stream), fewer while the largest item would hold more than a quarter of a thread's share
  * of the work. */
-#define DEFINE_AVX512_KERNEL(NAME, T, KT, QT, QLOAD, QDOT, VLOAD32, ACC_INDEX, STORE, AMX)              \
-DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32)                                                          \
+#define DEFINE_AVX512_KERNEL(NAME, T, KT, QT, QLOAD, QDOT, VLOAD32, ACC_INDEX, STORE, AMX, LANE_DOTS)   \
+DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32, LANE_DOTS)                                                          \
 int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t *block_tables,             \
          const int32_t *query_start, const int32_t *seq_lens, const uint8_t *skip, int num_seqs,          \
          int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,      \
@@ -904,11 +1067,11 @@ static inline int acc_plain(int d) { return d; }
 static inline int acc_even_odd(int d) { return (d & ~31) + (d & 1) * 16 + ((d & 31) >> 1); }
 
 DEFINE_AVX512_KERNEL(paged_attention_f32, float, float, float, load_f32, dot_f32, vload32_f32, acc_plain,
-                     store_f32, 0)
+                     store_f32, 0, no_lane_dots)
 DEFINE_AVX512_KERNEL(paged_attention_f32_e5m2, float, uint8_t, float, load_f32, dot_e5m2, vload32_e5m2,
-                     acc_plain, store_f32, 0)
+                     acc_plain, store_f32, 0, no_lane_dots)
 DEFINE_AVX512_KERNEL(paged_attention_bf16_e5m2, uint16_t, uint8_t, float, bf16_to_f32, dot_e5m2, vload32_e5m2,
-                     acc_plain, store_bf16, 0)
+                     acc_plain, store_bf16, 0, no_lane_dots)
 #ifdef __AVX512BF16__
 /* bfloat16 query and keys: vdpbf16ps multiplies 32 pairs and adds them in float32 in one instruction,
  * in place of two widenings and two FMAs per 16 elements. The products of two bfloat16 are exact in
@@ -926,10 +1089,10 @@ static inline __m512 dot_bf16_dp(const uint16_t *q, const uint16_t *k, int head_
     return dot;
 }
 DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, uint16_t, load_bits, dot_bf16_dp, vload32_bf16,
-                     acc_even_odd, store_bf16, HAVE_AMX_SCORES)
+                     acc_even_odd, store_bf16, HAVE_AMX_SCORES, lane_dots)
 #else
 DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, float, bf16_to_f32, dot_bf16, vload32_bf16,
-                     acc_even_odd, store_bf16, 0)
+                     acc_even_odd, store_bf16, 0, no_lane_dots)
 #endif
 
 #else /* portable */

@@ -127,6 +127,43 @@ def test_both_builds_match_reference(dtype, heads, head_dim) -> None:
         torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize(
+    "heads,head_dim",
+    [
+        ((16, 2), 64),
+        ((20, 2), 64),
+        ((40, 8), 64),
+        ((12, 4), 32),
+        ((16, 2), 96),
+        ((32, 2), 128),
+        ((15, 3), 64),
+    ],
+)
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("window", [None, 37])
+def test_grouped_heads_with_keys_in_lanes(heads, head_dim, block_size, window) -> None:
+    """bfloat16 decode scores of a KV head's 5+ heads (head_dim 64; 3+ at 32, 8+ at 96, 10+ at 128) take
+    16 keys at a time with the keys in the vector lanes (paged_attention.c's lane_dots): runs of 8 heads
+    and a rest (20 over 2), 16-head chunks cut inside a KV head's group (15 over 3, 40 over 8), keys past a
+    block's last 16 (17, 40, 100 keys), windows starting inside a block, on one thread and on two."""
+    num_heads, num_kv_heads = heads
+    context_lens = [0, 16, 40, 100, 300, 17, 5]
+    q, k, v, kc, vc, meta = build_batch(
+        [1] * 7, context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16
+    )
+    ref = TorchAttentionBackend().forward(
+        q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, 0.1, window
+    )
+    previous = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            got = CpuAttentionBackend().forward(q, k, v, kc, vc, meta, 0.1, window)
+            torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def windowed_brute_force(q, kc, vc, meta, scale, window):
     """Row by row: the query at position p over keys max(0, p - window + 1) .. p, in float64."""
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -288,7 +325,7 @@ def test_shared_prefix_blocks_change_no_bit(dtype, heads, head_dim, num_threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,head_dim", [((12, 12), 64), ((8, 2), 80), ((16, 4), 64)])
+@pytest.mark.parametrize("heads,head_dim", [((12, 12), 64), ((8, 2), 80), ((16, 4), 64), ((14, 2), 64)])
 @pytest.mark.parametrize("window", [None, 1100])
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
 def test_long_rows_give_the_same_bits_in_any_batch(dtype, heads, head_dim, window, num_threads) -> None:
