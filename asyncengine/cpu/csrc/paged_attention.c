@@ -29,6 +29,9 @@
  * bfloat16 cache on an AMX CPU and 3+ heads a KV head the scores run on AMX tiles (amx_scores below; 16
  * over 4 heads 41 GB/s in cache, 8 over 2 heads 0.60 -> 0.38 ms a layer at batch 64 x 256 keys out of
  * cache). ASYNCENGINE_CPU_AMX=0 keeps the AVX-512 path (cpu/attention.py calls paged_attention_use_amx).
+ * Without AMX, a KV head with heads enough for its head_dim takes its scores 16 keys at a time with the
+ * keys in the vector lanes, one transpose shared by its heads (lane_dots below: Qwen2.5-0.5B's 14 heads over
+ * 2, 0.41 -> 0.30 ms a layer at batch 64 x 256 keys out of cache).
  */
 #include <stdlib.h>
 
