@@ -29,7 +29,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include "amx_common.h" /* request_tiles, configure_tiles, TILE */
 #include "cpu_common.h" /* exp2h_512: the softmax's exponentials */
-#include "prompt_attention.h" /* Call, the K transpose, the work plan */
+#include "prompt_attention.h" /* Call, the work plan; transpose16 (cpu_common.h) */
 #include <omp.h>
 
 #define MAX_HEAD_DIM 256

@@ -30,7 +30,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include "cpu_common.h" /* exp2h_512: the softmax's exponentials, as in amx_attention.c */
-#include "prompt_attention.h" /* Call, the word transpose, the work plan */
+#include "prompt_attention.h" /* Call, the work plan; transpose16 (cpu_common.h) */
 #include <omp.h>
 
 #define QT 16 /* query rows per work item */

@@ -31,7 +31,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #include "cpu_common.h" /* exp2h_512, prefetch_bytes */
-#include "prompt_attention.h" /* Call, the 16 x 16 transpose, the work plan, the softmax step */
+#include "prompt_attention.h" /* Call, the work plan, the softmax step; transpose16 (cpu_common.h) */
 #include <omp.h>
 
 #define QT 16 /* query rows per work item */

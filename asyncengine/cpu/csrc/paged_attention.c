@@ -414,30 +414,6 @@ static inline __attribute__((always_inline)) void row_prefetch_step(RowPrefetch 
 #ifndef LANES_PAY
 #define LANES_PAY(group, head_dim) (5 * (head_dim) <= 64 * (group))
 #endif
-/* r[i] lane j -> r[j] lane i, for 16 rows of 16 dwords (64 shuffles) */
-static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 16; i += 2) {
-        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) { /* b[4m + c], 128-bit lane L: column 4L + c of rows 4m .. 4m + 3 */
-        b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
-        b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
-        b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
-        b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        const __m512i p = _mm512_shuffle_i32x4(b[c], b[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
-        const __m512i q = _mm512_shuffle_i32x4(b[c], b[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
-        const __m512i s = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
-        const __m512i u = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
-        r[c] = _mm512_shuffle_i32x4(p, s, _MM_SHUFFLE(2, 0, 2, 0));
-        r[4 + c] = _mm512_shuffle_i32x4(q, u, _MM_SHUFFLE(2, 0, 2, 0));
-        r[8 + c] = _mm512_shuffle_i32x4(p, s, _MM_SHUFFLE(3, 1, 3, 1));
-        r[12 + c] = _mm512_shuffle_i32x4(q, u, _MM_SHUFFLE(3, 1, 3, 1));
-    }
-}
 /* 16 keys' 8 pairs of dims (rows kh, kv_stride apart; rows from m on read as 0) -> t[j] lane i = key i's
  * pair j: rows i and i + 8 side by side in one vector, then an 8 x 8 dword transpose in each half (32
  * shuffles). 8 pairs, not 16, so that two accumulators a head fit in the registers beside them. */
@@ -530,7 +506,7 @@ static inline __attribute__((always_inline)) void lane_dots_at(const uint16_t *q
         for (int c0 = 0; c0 < hg; c0 += 16) { /* [16 heads][16 keys] -> [16 keys][16 heads], scaled */
             __m512i r[16];
             for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(tmp + (c0 + i) * 16);
-            transpose16x16(r);
+            transpose16(r); /* cpu_common.h */
             for (int t = 0; t < m; t++)
                 _mm512_store_ps(scores + c0 * sb + (t0 + t) * 16, _mm512_mul_ps(_mm512_castsi512_ps(r[t]), sc));
         }

@@ -1,9 +1,8 @@
 /* What the prompt-attention kernels (amx_attention.c on AMX tiles, bf16_attention.c on AVX512-BF16,
- * f32_attention.c in float32) share: their call's arguments, the key masks, the 16 x 16 word transpose
- * (of K for the tiles, of a query tile's rows for the other two), where a (sequence, KV head)'s packed K / V
- * live, the work plan (validation, the packing buffers, the costliest-first list of work items) and its
- * run, and (the two without AMX) the online softmax's step over a tile's 16 rows, DEFINE_SOFTMAX_ROWS.
- * Each kernel packs and multiplies its own way. Included only where the build has AVX-512; cpu/build.py
+ * f32_attention.c in float32) share: their call's arguments, the key masks, where a (sequence, KV head)'s
+ * packed K / V live, the work plan (validation, the packing buffers, the costliest-first list of work
+ * items) and its run, and (the two without AMX) the online softmax's step over a tile's 16 rows,
+ * DEFINE_SOFTMAX_ROWS. Each kernel packs and multiplies its own way. Included only where the build has AVX-512; cpu/build.py
  * hashes this file into every library's cache key. */
 #ifndef ASYNCENGINE_PROMPT_ATTENTION_H
 #define ASYNCENGINE_PROMPT_ATTENTION_H
@@ -13,7 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "cpu_common.h" /* exp512 */
+#include "cpu_common.h" /* exp512; transpose16: K for the tiles, a query tile's rows for the others */
 
 static inline int ceil_to(int n, int m) { return (n + m - 1) / m * m; }
 
@@ -27,31 +26,6 @@ static inline __mmask16 valid_keys(int j, int lo, int pos) {
     const int a = lo - j > 0 ? lo - j : 0, b = pos - j + 1 < 16 ? pos - j + 1 : 16;
     if (b <= a) return 0;
     return (__mmask16)((((1u << b) - 1) >> a) << a);
-}
-
-/* 16 x 16 32-bit words, transposed in registers (r[i] holds row i; afterwards column i). */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    }
 }
 
 /* Keys ahead whose K / V rows the non-AMX kernels' pack_kv prefetches: it reads them from the cache in
