@@ -60,6 +60,12 @@ def cpu_vendor() -> str:
     return line.split(":", 1)[1].strip() if ":" in line else ""
 
 
+def cpu_family() -> int:
+    """/proc/cpuinfo's "cpu family" (AMD: 25 for Zen 3 and 4, 26 for Zen 5), or 0 where there is none."""
+    value = _cpuinfo_field("cpu family").partition(":")[2].strip()
+    return int(value) if value.isdigit() else 0
+
+
 def build_library(source: Path, portable: bool = False) -> ctypes.CDLL | None:
     """Compiles `source` (once per source, flags and CPU) and loads it; None when it cannot be built."""
     compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
@@ -67,8 +73,8 @@ def build_library(source: Path, portable: bool = False) -> ctypes.CDLL | None:
         logger.warning("no C compiler found: %s falls back to PyTorch", source.name)
         return None
     flags = [*CFLAGS, *PORTABLE_FLAGS] if portable else CFLAGS
-    if cpu_vendor() == "AuthenticAMD":  # for choices measured per vendor (csrc/paged_attention.c's prefetch)
-        flags = [*flags, "-DASYNCENGINE_AMD_CPU"]
+    if cpu_vendor() == "AuthenticAMD":  # for choices measured per CPU (csrc/paged_attention.c's prefetch)
+        flags = [*flags, "-DASYNCENGINE_AMD_CPU", f"-DASYNCENGINE_CPU_FAMILY={cpu_family()}"]
     # the headers it may include (csrc/*.h) are part of what gets built, so part of the key too
     code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(code + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()[:16]

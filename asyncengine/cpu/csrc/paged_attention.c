@@ -357,23 +357,35 @@ static inline __m512 hsum16x16(const __m512 d[16]) {
                          _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* Where the prefetches go: L2 (below), or L1 on AMD CPUs (cpu/build.py defines ASYNCENGINE_AMD_CPU there).
- * Measured on an AMD EPYC (Zen 5, 48 KiB L1), bfloat16, batch 64 x 256 keys out of cache: one thread
- * 16.5-16.8 -> 19.2-20.3 GB/s, two threads 26.6-29.4 -> 27.7-30.5 (three runs); with the pass-ahead
- * prefetch below, L1 still (bfloat16 64 x 256 / 16 x 1024 keys: 40.1 / 41.7 GB/s into L1, 38.9 / 40.8 into
- * L2; float32 level). Not measured with it on an Intel CPU, where L2 had measured better before. */
-#ifdef ASYNCENGINE_AMD_CPU
+/* Where the prefetches go, and how many of the next block's K rows the values pass fetches (below), per CPU
+ * (cpu/build.py defines ASYNCENGINE_AMD_CPU and ASYNCENGINE_CPU_FAMILY on AMD CPUs):
+ * - AMD Zen 5 (family 26, 48 KiB L1): L1, the first 8 rows. bfloat16, batch 64 x 256 keys out of cache, L2
+ *   -> L1: one thread 16.5-16.8 -> 19.2-20.3 GB/s, two threads 26.6-29.4 -> 27.7-30.5 (three runs); with
+ *   the pass-ahead prefetch, L1 still (64 x 256 / 16 x 1024 keys: 40.1 / 41.7 GB/s into L1, 38.9 / 40.8
+ *   into L2; float32 level).
+ * - AMD Zen 4 (family 25, 32 KiB L1): L2, every row. bfloat16 out of cache, 2 threads, `bench/
+ *   paged_attention.py` alternated three times, first 8 rows into L1 -> every row into L2: 12 full heads at
+ *   64 x 256 / 16 x 1024 keys 16.1-27.0 / 24.1-30.5 -> 27.4-32.1 / 26.6-29.4 GB/s; 14 heads over 2
+ *   14.7-15.9 -> 19.2-20.3; head_dim 128, 8 over 2 21.7-22.0 -> 24.0-24.6 (every row into L1 was slower
+ *   than 8, and 16 or 32 rows into L2 in between).
+ * - Intel: L2, the first 8 rows (not measured with the pass-ahead prefetch; L2 had measured better). */
+#if defined(ASYNCENGINE_AMD_CPU) && ASYNCENGINE_CPU_FAMILY == 25
+#define PREFETCH_HINT _MM_HINT_T1
+#define ALL_NEXT_ROWS 1
+#elif defined(ASYNCENGINE_AMD_CPU)
 #define PREFETCH_HINT _MM_HINT_T0
+#define ALL_NEXT_ROWS 0
 #else
 #define PREFETCH_HINT _MM_HINT_T1
+#define ALL_NEXT_ROWS 0
 #endif
-/* Of the next block's K only the first rows are prefetched: the jump to a block at a random address is what
- * the hardware prefetcher cannot guess, and from those rows on it streams the block itself, which the
- * scores pass reads row after row. Prefetching every row cost load slots for lines on their way anyway
- * (bfloat16 batch 64 x 256 / 16 x 1024 / 4 x 1024 keys in 64-token blocks, all rows 29.7 / 31.8 / 29.1
- * GB/s, the first 16 31.7 / 33.2 / 30.8, the first 8 33.2 / 34.7 / 32.5). */
+/* Of the next block's K only the first rows are prefetched (but on Zen 4, above): the jump to a block at a
+ * random address is what the hardware prefetcher cannot guess, and from those rows on it streams the block
+ * itself, which the scores pass reads row after row. Prefetching every row cost load slots for lines on
+ * their way anyway (Zen 5, bfloat16 batch 64 x 256 / 16 x 1024 / 4 x 1024 keys in 64-token blocks, all rows
+ * 29.7 / 31.8 / 29.1 GB/s, the first 16 31.7 / 33.2 / 30.8, the first 8 33.2 / 34.7 / 32.5). */
 #ifndef NEXT_BLOCK_ROWS
-#define NEXT_BLOCK_ROWS 8
+#define NEXT_BLOCK_ROWS (ALL_NEXT_ROWS ? MAX_BLOCK : 8)
 #endif
 
 /* Rows of the cache to prefetch a few lines at a time from inside a loop, so that the requests are spread
@@ -678,7 +690,7 @@ static inline __attribute__((always_inline)) void NAME##_values_at(int R, float 
     /* steps: the fewest the pass takes (runs of at most cap heads), so the rows are all asked for */   \
     const int steps = n * ((width + 31) / 32) * ((hg + cap - 1) / cap);                                 \
     RowPrefetch pf = row_prefetch(k_next, kv_stride * (long)sizeof(KT), (long)nkv * head_dim * (long)sizeof(KT),\
-                                  NEXT_BLOCK_ROWS, steps);                                              \
+                                  NEXT_BLOCK_ROWS < sb ? NEXT_BLOCK_ROWS : sb, steps);                  \
     for (int x0 = 0, gs, nk; x0 < hg; x0 += nk * gs) {                                                  \
         const int kv = x0 / group, left = (kv + 1) * group - x0; /* this KV head's heads from x0 */     \
         /* a whole KV head of up to cap heads in one run (3, 5, 6, 7 too: runs of 4 + 2 + 1 left one-   \
