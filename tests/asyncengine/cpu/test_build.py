@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,48 @@ def test_every_kernel_source_builds(portable: bool, tmp_path: Path, monkeypatch:
     csrc = Path(build.__file__).parent / "csrc"
     failed = [p.name for p in sorted(csrc.glob("*.c")) if build.build_library(p, portable) is None]
     assert failed == []
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("vendor", "family", "seen"),
+    [("AuthenticAMD", "25", 25), ("AuthenticAMD", "26", 26), ("GenuineIntel", "6", -1)],
+)
+def test_amd_builds_see_the_cpu_family(
+    vendor: str, family: str, seen: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Choices measured per CPU (csrc/paged_attention.c's prefetches: Zen 4 and Zen 5 differ) read
+    ASYNCENGINE_CPU_FAMILY, defined on AMD CPUs only; the family is in the cache key through the flags."""
+    monkeypatch.setenv("ASYNCENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "_LOADED", [])
+    fields = {"vendor_id": f"vendor_id\t: {vendor}", "cpu family": f"cpu family\t: {family}"}
+    monkeypatch.setattr(build, "_cpuinfo_field", lambda name: fields.get(name, ""))
+    src = tmp_path / "f.c"
+    src.write_text(
+        "#ifdef ASYNCENGINE_AMD_CPU\nint family(void) { return ASYNCENGINE_CPU_FAMILY; }\n"
+        "#else\nint family(void) { return -1; }\n#endif\n"
+    )
+    lib = build.build_library(src)
+    assert lib is not None and lib.family() == seen
+    assert build.cpu_family() == int(family)
+
+
+@needs_compiler
+@pytest.mark.parametrize("family", [25, 26])
+def test_paged_attention_compiles_for_each_amd_family(family: int) -> None:
+    """The per-family branches of paged_attention.c compile on any machine (syntax only: a full build is
+    ~90 s), for an AVX512-BF16 target (Cooper Lake's ISA: GCC 10 has it), so that every kernel variant is
+    expanded."""
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    assert compiler is not None
+    flags = [
+        "-fsyntax-only",
+        "-march=cooperlake",
+        "-fopenmp",
+        "-DASYNCENGINE_AMD_CPU",
+        f"-DASYNCENGINE_CPU_FAMILY={family}",
+    ]
+    result = subprocess.run(
+        [compiler, *flags, str(attention.SOURCE)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
