@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncengine.cpu import amx, attention, build, ops
+from asyncengine.cpu import amx, attention, build, ops, quant_gemm
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler"
@@ -93,10 +93,11 @@ def test_amd_builds_see_the_cpu_family(
 
 @needs_compiler
 @pytest.mark.parametrize("family", [25, 26])
-def test_paged_attention_compiles_for_each_amd_family(family: int) -> None:
-    """The per-family branches of paged_attention.c compile on any machine (syntax only: a full build is
-    ~90 s), for an AVX512-BF16 target (Cooper Lake's ISA: GCC 10 has it), so that every kernel variant is
-    expanded."""
+@pytest.mark.parametrize("source", [attention.SOURCE, quant_gemm.SOURCE], ids=lambda p: p.name)
+def test_kernels_compile_for_each_amd_family(family: int, source: Path) -> None:
+    """The per-family branches of paged_attention.c and quant_gemm.c compile on any machine (syntax only: a
+    full build is ~90 s), for an AVX512-BF16 target (Cooper Lake's ISA: GCC 10 has it), so that every kernel
+    variant is expanded."""
     compiler = shutil.which("gcc") or shutil.which("cc")
     assert compiler is not None
     flags = [
@@ -106,7 +107,5 @@ def test_paged_attention_compiles_for_each_amd_family(family: int) -> None:
         "-DASYNCENGINE_AMD_CPU",
         f"-DASYNCENGINE_CPU_FAMILY={family}",
     ]
-    result = subprocess.run(
-        [compiler, *flags, str(attention.SOURCE)], capture_output=True, text=True, timeout=120
-    )
+    result = subprocess.run([compiler, *flags, str(source)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
