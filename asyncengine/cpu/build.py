@@ -73,7 +73,7 @@ def build_library(source: Path, portable: bool = False) -> ctypes.CDLL | None:
         logger.warning("no C compiler found: %s falls back to PyTorch", source.name)
         return None
     flags = [*CFLAGS, *PORTABLE_FLAGS] if portable else CFLAGS
-    if cpu_vendor() == "AuthenticAMD":  # for choices measured per CPU (csrc/paged_attention.c's prefetch)
+    if cpu_vendor() == "AuthenticAMD":  # for choices measured per CPU (cpu_common.h CPU_ZEN4)
         flags = [*flags, "-DASYNCENGINE_AMD_CPU", f"-DASYNCENGINE_CPU_FAMILY={cpu_family()}"]
     # the headers it may include (csrc/*.h) are part of what gets built, so part of the key too
     code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))

@@ -358,7 +358,7 @@ static inline __m512 hsum16x16(const __m512 d[16]) {
 }
 
 /* Where the prefetches go, and how many of the next block's K rows the values pass fetches (below), per CPU
- * (cpu/build.py defines ASYNCENGINE_AMD_CPU and ASYNCENGINE_CPU_FAMILY on AMD CPUs):
+ * (cpu/build.py defines ASYNCENGINE_AMD_CPU on AMD CPUs; CPU_ZEN4: cpu_common.h):
  * - AMD Zen 5 (family 26, 48 KiB L1): L1, the first 8 rows. bfloat16, batch 64 x 256 keys out of cache, L2
  *   -> L1: one thread 16.5-16.8 -> 19.2-20.3 GB/s, two threads 26.6-29.4 -> 27.7-30.5 (three runs); with
  *   the pass-ahead prefetch, L1 still (64 x 256 / 16 x 1024 keys: 40.1 / 41.7 GB/s into L1, 38.9 / 40.8
@@ -369,15 +369,10 @@ static inline __m512 hsum16x16(const __m512 d[16]) {
  *   14.7-15.9 -> 19.2-20.3; head_dim 128, 8 over 2 21.7-22.0 -> 24.0-24.6 (every row into L1 was slower
  *   than 8, and 16 or 32 rows into L2 in between).
  * - Intel: L2, the first 8 rows (not measured with the pass-ahead prefetch; L2 had measured better). */
-#if defined(ASYNCENGINE_AMD_CPU) && ASYNCENGINE_CPU_FAMILY == 25
-#define PREFETCH_HINT _MM_HINT_T1
-#define ALL_NEXT_ROWS 1
-#elif defined(ASYNCENGINE_AMD_CPU)
+#if defined(ASYNCENGINE_AMD_CPU) && !CPU_ZEN4
 #define PREFETCH_HINT _MM_HINT_T0
-#define ALL_NEXT_ROWS 0
 #else
 #define PREFETCH_HINT _MM_HINT_T1
-#define ALL_NEXT_ROWS 0
 #endif
 /* Of the next block's K only the first rows are prefetched (but on Zen 4, above): the jump to a block at a
  * random address is what the hardware prefetcher cannot guess, and from those rows on it streams the block
@@ -385,7 +380,7 @@ static inline __m512 hsum16x16(const __m512 d[16]) {
  * their way anyway (Zen 5, bfloat16 batch 64 x 256 / 16 x 1024 / 4 x 1024 keys in 64-token blocks, all rows
  * 29.7 / 31.8 / 29.1 GB/s, the first 16 31.7 / 33.2 / 30.8, the first 8 33.2 / 34.7 / 32.5). */
 #ifndef NEXT_BLOCK_ROWS
-#define NEXT_BLOCK_ROWS (ALL_NEXT_ROWS ? MAX_BLOCK : 8)
+#define NEXT_BLOCK_ROWS (CPU_ZEN4 ? MAX_BLOCK : 8)
 #endif
 
 /* Rows of the cache to prefetch a few lines at a time from inside a loop, so that the requests are spread

@@ -322,18 +322,14 @@ static inline Share thread_share(int blocks, int nb_max, int m, int gran, int th
  * weights cycled): M = 16 qkv 825 -> 911, gate/up 673 -> 801, lm_head 686 -> 814 GF/s; M = 64 962 -> 1026,
  * 884 -> 956, 952 -> 1037; M = 128 +3%; from M = 256 level, and past 16 row tiles the stall is a small
  * share of a panel's time, so larger batches keep the plain loop.
- * On AMD Zen 4 (cpu/build.py's ASYNCENGINE_CPU_FAMILY 25: half Zen 5's arithmetic rate, so a row tile takes
- * twice as long against the same bus) the first row tile fetches a share too. Measured there (bfloat16,
+ * On AMD Zen 4 (CPU_ZEN4: half Zen 5's arithmetic rate, so a row tile takes twice as long against the same
+ * bus) the first row tile fetches a share too. Measured there (bfloat16,
  * medium's qkv, gated gate/up, down and LM head, 2 threads, weights cycled over ~400 MB, best of 5, the two
  * builds alternated four times), GF/s summed over the four shapes: M = 12 1,060-1,164 -> 1,150-1,220 (+6%),
  * M = 16 1,302-1,355 -> 1,282-1,379 (level); M = 24-64 level in an earlier pass. */
 #define NEXT_PANEL_MAX_TILES 16
 #ifndef FIRST_TILE_SHARES
-#if defined(ASYNCENGINE_AMD_CPU) && ASYNCENGINE_CPU_FAMILY == 25
-#define FIRST_TILE_SHARES 1
-#else
-#define FIRST_TILE_SHARES 0
-#endif
+#define FIRST_TILE_SHARES CPU_ZEN4 /* cpu_common.h */
 #endif
 typedef struct {
     const char *p;
