@@ -539,6 +539,52 @@ static inline int no_lane_dots(const void *q, float *scores, const void *kb, con
     return 0;
 }
 
+/* ---- p.v over key pairs (bfloat16 caches with AVX512-BF16, on AMD Zen 4) ----
+ * The values pass multiplies each V element by a head's probability in float32: a widening and an FMA per
+ * 16 dims, key and head. With PAIRED_VALUES the probabilities are rounded to bfloat16 (as torch's flash
+ * kernel and this project's prompt kernels do for bfloat16 inputs; the row sums and acc stay float32) and
+ * stored as pairs, keys t and t + 1 in one 32-bit lane; two V rows are interleaved with one unpack each
+ * per 32 dims, shared by the KV head's heads, and one vdpbf16ps per 16 dims adds both keys' products: half
+ * the multiply-adds and no widenings. An odd last key pairs with a zero probability and a zero row (never
+ * the memory past the block's keys). The unpack leaves a 32-dim chunk's dims in the order acc_unpack
+ * (below) undoes when the output is stored. It is also closer to HF's bfloat16 run: torch's SDPA called as
+ * HF calls it (4-D, its CPU flash kernel) rounds P too; 16-row batches of 1-300 keys, four head layouts,
+ * float32 P -> pairs: output elements equal to SDPA's 68-75% -> 76-85%, mean |difference| 2.1-2.4e-4 ->
+ * 1.1-1.6e-4; against float64 the kernel's mean error 3.2-4.4e-4 -> 3.9-5.1e-4, SDPA's own 4.1-5.2e-4.
+ * Speed on Zen 4 (2 threads, bfloat16, 2026-12-07), float32 P -> pairs: one thread with the K/V in L2, ns
+ * a key and head, 14 over 2 heads 3.53 -> 3.10, 16 over 4 4.37 -> 3.40, head_dim 128 8 over 2 8.55 ->
+ * 6.72, 16 over 8 8.20 -> 7.03, 12 full heads level (6.08 / 6.20); out of cache (bench/paged_attention.py,
+ * four passes) 14 over 2 heads +10-15%, 12 full heads level; a decode step level within the VM's noise. On
+ * AMD Zen 5 an earlier form of it (one unpack per head, before the runs of heads) was slower for grouped
+ * heads in cache (43.3 -> 33.5 GB/s), so elsewhere the float32 pass stays until measured again (build with
+ * a CC wrapper adding -DPAIRED_VALUES=1 and its own ASYNCENGINE_CACHE_DIR, then bench/paged_attention.py
+ * side by side). */
+#ifndef PAIRED_VALUES /* -DPAIRED_VALUES=0 / 1 to measure the two side by side */
+#define PAIRED_VALUES CPU_ZEN4
+#endif
+#ifdef __AVX512BF16__
+static inline __m512 pack_pairs(__m512 p0, __m512 p1) { /* lane i: bf16(p0[i]) | bf16(p1[i]) << 16 */
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_castsi512_ps(_mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+}
+static inline __m512 dot_pairs(__m512 acc, __m512 p, __m512 v) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)p, (__m512bh)v);
+}
+#else /* the kernels that take them are not built */
+static inline __m512 pack_pairs(__m512 p0, __m512 p1) { (void)p1; return p0; }
+static inline __m512 dot_pairs(__m512 acc, __m512 p, __m512 v) { (void)p, (void)v; return acc; }
+#endif
+/* V rows t (at p) and t + 1 (stride elements further; zero if !two), 32 bfloat16 dims from p (zero past
+ * left), as key pairs: lo holds dims 8L .. 8L + 3 of each 128-bit lane L, hi dims 8L + 4 .. 8L + 7. */
+static inline void vpair32_bf16(const void *p, long stride, int two, int left, __m512 *lo, __m512 *hi) {
+    const uint16_t *a = (const uint16_t *)p;
+    const __mmask32 mk = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
+    const __m512i x = _mm512_maskz_loadu_epi16(mk, a), y = _mm512_maskz_loadu_epi16(two ? mk : 0, a + stride);
+    *lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(x, y));
+    *hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(x, y));
+}
+
 /* One row's heads over n keys of one cache block, in two halves: scores = q.k and the online softmax over
  * them (rescaling acc); then acc += p.v (NAME##_values). Scores are laid out [hg / 16][sb][16]: a key's
  * dots with 16 heads are reduced together (hsum16x16) into one vector, and the softmax then works on 16
@@ -553,7 +599,7 @@ static inline int no_lane_dots(const void *q, float *scores, const void *kb, con
  * 39.2 -> 42.8 / 43.1 / 44.7 / 44.7 GB/s; 16 heads over 4 KV heads 24.1 / 23.6 -> 32.7 / 32.2; 8 heads of
  * 128 over 2 KV heads 23.3 / 24.3 -> 31.0 / 32.2; 16-token blocks 28.6 / 29.5 -> 33.0 / 33.8; float32
  * 39.3 / 40.2 / 41.0 -> 41.3 / 41.5 / 43.2. */
-#define DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32, LANE_DOTS)                                               \
+#define DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32, LANE_DOTS, PAIRS)                                               \
 /* scores = q.k on the vector units: called with a constant head_dim for the usual 64 and 128, so that \
  * the dots and the loop over 16 heads unroll into straight-line code. Generic, each head cost a        \
  * division and a two-trip inner loop with its branches and masks: with 12 heads of 64 bfloat16 K/V in  \
@@ -620,11 +666,20 @@ static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, f
             _mm512_mask_storeu_ps(m + c0, hm, mnew);                                                    \
         }                                                                                               \
         __m512 sum = _mm512_setzero_ps();                                                               \
-        for (int t = 0; t < n; t++) {                                                                   \
-            const __m512 p = exp512(_mm512_sub_ps(_mm512_load_ps(sc + t * 16), mnew));                  \
-            _mm512_store_ps(sc + t * 16, p);                                                            \
-            sum = _mm512_add_ps(sum, p);                                                                \
-        }                                                                                               \
+        if (PAIRS) /* keys t, t + 1 as a bfloat16 pair in slot t / 2 (read before it is written) */      \
+            for (int t = 0; t < n; t += 2) {                                                            \
+                const __m512 p0 = exp512(_mm512_sub_ps(_mm512_load_ps(sc + t * 16), mnew));             \
+                const __m512 p1 = t + 1 < n ? exp512(_mm512_sub_ps(_mm512_load_ps(sc + t * 16 + 16), mnew)) \
+                                            : _mm512_setzero_ps();                                      \
+                sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);                                        \
+                _mm512_store_ps(sc + t * 8, pack_pairs(p0, p1));                                        \
+            }                                                                                           \
+        else                                                                                            \
+            for (int t = 0; t < n; t++) {                                                               \
+                const __m512 p = exp512(_mm512_sub_ps(_mm512_load_ps(sc + t * 16), mnew));              \
+                _mm512_store_ps(sc + t * 16, p);                                                        \
+                sum = _mm512_add_ps(sum, p);                                                            \
+            }                                                                                           \
         _mm512_mask_storeu_ps(s + c0, hm, _mm512_add_ps(sv, sum));                                      \
     }                                                                                                   \
 }                                                                                                       \
@@ -647,20 +702,38 @@ static inline __attribute__((always_inline)) void NAME##_values_gs(int R, int NK
                     lo[(r * NK + k) * GS + g] = _mm512_load_ps(acc[r] + o);                             \
                     hi[(r * NK + k) * GS + g] = _mm512_load_ps(acc[r] + o + 16);                        \
                 }                                                                                       \
-        for (int t = 0; t < n; t++) {                                                                   \
-            row_prefetch_step(pf);                                                                      \
-            for (int k = 0; k < NK; k++) {                                                              \
-                __m512 vl, vh2;                                                                         \
-                VLOAD32(vh + t * kv_stride + (long)k * head_dim + j, head_dim - j, &vl, &vh2);          \
-                for (int r = 0; r < R; r++)                                                             \
-                    for (int g = 0; g < GS; g++) {                                                      \
-                        const int x = x0 + k * GS + g, a = (r * NK + k) * GS + g;                       \
-                        const __m512 p = _mm512_set1_ps(scores[r][(x >> 4) * sb * 16 + t * 16 + (x & 15)]); \
-                        lo[a] = _mm512_fmadd_ps(p, vl, lo[a]);                                          \
-                        hi[a] = _mm512_fmadd_ps(p, vh2, hi[a]);                                         \
-                    }                                                                                   \
+        if (PAIRS) /* two keys a step: a pair of probabilities against two interleaved V rows */        \
+            for (int t = 0; t < n; t += 2) {                                                            \
+                row_prefetch_step(pf);                                                                  \
+                row_prefetch_step(pf);                                                                  \
+                for (int k = 0; k < NK; k++) {                                                          \
+                    __m512 vl, vh2;                                                                     \
+                    vpair32_bf16(vh + t * kv_stride + (long)k * head_dim + j, kv_stride, t + 1 < n,     \
+                                 head_dim - j, &vl, &vh2);                                              \
+                    for (int r = 0; r < R; r++)                                                         \
+                        for (int g = 0; g < GS; g++) {                                                  \
+                            const int x = x0 + k * GS + g, a = (r * NK + k) * GS + g;                   \
+                            const __m512 p = _mm512_set1_ps(scores[r][(x >> 4) * sb * 16 + t * 8 + (x & 15)]); \
+                            lo[a] = dot_pairs(lo[a], p, vl);                                            \
+                            hi[a] = dot_pairs(hi[a], p, vh2);                                           \
+                        }                                                                               \
+                }                                                                                       \
             }                                                                                           \
-        }                                                                                               \
+        else                                                                                            \
+            for (int t = 0; t < n; t++) {                                                               \
+                row_prefetch_step(pf);                                                                  \
+                for (int k = 0; k < NK; k++) {                                                          \
+                    __m512 vl, vh2;                                                                     \
+                    VLOAD32(vh + t * kv_stride + (long)k * head_dim + j, head_dim - j, &vl, &vh2);      \
+                    for (int r = 0; r < R; r++)                                                         \
+                        for (int g = 0; g < GS; g++) {                                                  \
+                            const int x = x0 + k * GS + g, a = (r * NK + k) * GS + g;                   \
+                            const __m512 p = _mm512_set1_ps(scores[r][(x >> 4) * sb * 16 + t * 16 + (x & 15)]); \
+                            lo[a] = _mm512_fmadd_ps(p, vl, lo[a]);                                      \
+                            hi[a] = _mm512_fmadd_ps(p, vh2, hi[a]);                                     \
+                        }                                                                               \
+                }                                                                                       \
+            }                                                                                           \
         for (int r = 0; r < R; r++)                                                                     \
             for (int k = 0; k < NK; k++)                                                                \
                 for (int g = 0; g < GS; g++) {                                                          \
@@ -784,8 +857,8 @@ static inline void flush_state(float *dst, int h0, int hg, int width, float *acc
  * heads while there are items enough to keep the threads busy (the keys of a cache block are then one
  * contiguous stream), fewer while the largest item would hold more than a quarter of a thread's share
  * of the work. */
-#define DEFINE_AVX512_KERNEL(NAME, T, KT, QT, QLOAD, QDOT, VLOAD32, ACC_INDEX, STORE, AMX, LANE_DOTS)   \
-DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32, LANE_DOTS)                                                          \
+#define DEFINE_AVX512_KERNEL(NAME, T, KT, QT, QLOAD, QDOT, VLOAD32, ACC_INDEX, STORE, AMX, LANE_DOTS, PAIRS) \
+DEFINE_AVX512_BLOCK(NAME, QT, QDOT, KT, VLOAD32, LANE_DOTS, PAIRS)                                                          \
 int NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t *block_tables,             \
          const int32_t *query_start, const int32_t *seq_lens, const uint8_t *skip, int num_seqs,          \
          int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale,      \
@@ -1051,13 +1124,15 @@ static inline void vload32_bf16(const uint16_t *p, int left, __m512 *lo, __m512 
 }
 static inline int acc_plain(int d) { return d; }
 static inline int acc_even_odd(int d) { return (d & ~31) + (d & 1) * 16 + ((d & 31) >> 1); }
+/* vpair32_bf16's order: dims 8L .. 8L + 3 of lane L in the low 16 slots (4L ..), 8L + 4 .. 8L + 7 in the high */
+static inline int acc_unpack(int d) { return (d & ~31) + ((d >> 2) & 1) * 16 + ((d & 31) >> 3) * 4 + (d & 3); }
 
 DEFINE_AVX512_KERNEL(paged_attention_f32, float, float, float, load_f32, dot_f32, vload32_f32, acc_plain,
-                     store_f32, 0, no_lane_dots)
+                     store_f32, 0, no_lane_dots, 0)
 DEFINE_AVX512_KERNEL(paged_attention_f32_e5m2, float, uint8_t, float, load_f32, dot_e5m2, vload32_e5m2,
-                     acc_plain, store_f32, 0, no_lane_dots)
+                     acc_plain, store_f32, 0, no_lane_dots, 0)
 DEFINE_AVX512_KERNEL(paged_attention_bf16_e5m2, uint16_t, uint8_t, float, bf16_to_f32, dot_e5m2, vload32_e5m2,
-                     acc_plain, store_bf16, 0, no_lane_dots)
+                     acc_plain, store_bf16, 0, no_lane_dots, 0)
 #ifdef __AVX512BF16__
 /* bfloat16 query and keys: vdpbf16ps multiplies 32 pairs and adds them in float32 in one instruction,
  * in place of two widenings and two FMAs per 16 elements. The products of two bfloat16 are exact in
@@ -1075,10 +1150,10 @@ static inline __m512 dot_bf16_dp(const uint16_t *q, const uint16_t *k, int head_
     return dot;
 }
 DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, uint16_t, load_bits, dot_bf16_dp, vload32_bf16,
-                     acc_even_odd, store_bf16, HAVE_AMX_SCORES, lane_dots)
+                     (PAIRED_VALUES ? acc_unpack : acc_even_odd), store_bf16, HAVE_AMX_SCORES, lane_dots, PAIRED_VALUES)
 #else
 DEFINE_AVX512_KERNEL(paged_attention_bf16, uint16_t, uint16_t, float, bf16_to_f32, dot_bf16, vload32_bf16,
-                     acc_even_odd, store_bf16, 0, no_lane_dots)
+                     acc_even_odd, store_bf16, 0, no_lane_dots, 0)
 #endif
 
 #else /* portable */

@@ -209,6 +209,44 @@ def test_sliding_window(dtype, window, num_threads) -> None:
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_dim", [((12, 12), 64), ((14, 2), 64), ((8, 2), 128), ((6, 3), 80)])
+@pytest.mark.parametrize("block_size", [16, 15])
+@pytest.mark.parametrize("window", [None, 23])
+def test_decode_reads_no_slot_past_its_keys(dtype, heads, head_dim, block_size, window) -> None:
+    """Every cache slot that no row reads holds NaN: decode rows of odd and even lengths, windows starting
+    at odd and even offsets inside a block, odd block sizes, four rows sharing a prefix (walked as a
+    group). The output must match a float64 brute force on the clean caches: a kernel that read one slot
+    too far (on AMD Zen 4 the bfloat16 values pass takes keys in pairs, an odd last key with a zero
+    partner) would give NaN, however small the weight it multiplied that slot by."""
+    num_heads, num_kv_heads = heads
+    context_lens = [0, 1, 14, 15, 16, 30, 47, 100, 64, 64, 64, 64]
+    q, k, v, kc, vc, meta = build_batch(
+        [1] * 12, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=3
+    )
+    for i in (9, 10, 11):  # rows 8-11 share their first 4 blocks (60 or 64 keys)
+        meta.block_tables[i, :4] = meta.block_tables[8, :4]
+    read = torch.zeros(kc.shape[0] * block_size, dtype=torch.bool)
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        lo = 0 if window is None else max(0, seq_len - window)
+        for p in range(lo, seq_len):
+            read[int(meta.block_tables[i, p // block_size]) * block_size + p % block_size] = True
+    expected = windowed_brute_force(q, kc, vc, meta, 0.1, window or 1 << 30)
+    poisoned_k, poisoned_v = kc.clone().flatten(0, 1), vc.clone().flatten(0, 1)
+    poisoned_k[~read], poisoned_v[~read] = float("nan"), float("nan")
+    poisoned_k, poisoned_v = poisoned_k.view_as(kc), poisoned_v.view_as(vc)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    previous = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for lib in (load_kernel_library(), load_kernel_library(portable=True)):
+                got = CpuAttentionBackend(lib).forward(q, k, v, poisoned_k, poisoned_v, meta, 0.1, window)
+                torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def quantize(q, k, v, kc, vc):
     """What the Attention layer does with kv_cache_dtype=fp8_e5m2: caches in e5m2, this step's K/V as
     stored."""
