@@ -689,7 +689,8 @@ static inline void NAME##_scores(const QT *qf, float *acc, float *m, float *s, f
  * layout; ACC_INDEX maps a dim to its acc slot), so that the heads of a grouped-query KV head share its    \
  * widening, and R x NK x GS <= 8 (16 accumulators) keep that many independent FMA chains in flight. Every  \
  * head of every row adds the same products in the same order whatever R, NK and GS are. pf: prefetches  \
- * issued a step per key and chunk. */                                                                  \
+ * issued a step per key and chunk. With PAIRS the probabilities are bfloat16 key pairs (p.v over key    \
+ * pairs, above) and a step takes keys t and t + 1 with one vdpbf16ps per 16 dims. */                  \
 static inline __attribute__((always_inline)) void NAME##_values_gs(int R, int NK, int GS, int x0, float *const *acc, \
                                  const float *const *scores, const KT *vh, int n, int head_dim, int width, \
                                  int sb, long kv_stride, RowPrefetch *pf) {                             \
