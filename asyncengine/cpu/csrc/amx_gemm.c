@@ -124,7 +124,7 @@ static inline void store_rows(const float *acc, int rows, int cols, uint16_t *ou
  * per row (a whole cache line when out is aligned), not two half-line ones. */
 static inline void store_rows2(const float *acc0, const float *acc1, int rows, int cols, uint16_t *out,
                                long out_stride, const uint16_t *bias) {
-    const __mmask32 mk = cols >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << cols) - 1);
+    const __mmask32 mk = mask32_upto(cols);
     __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
     if (bias) {
         const __m512i bb = _mm512_maskz_loadu_epi16(mk, bias);

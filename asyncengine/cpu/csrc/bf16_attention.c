@@ -92,14 +92,9 @@ static inline __attribute__((always_inline)) void qk_rows(const uint32_t *qt, co
 }
 
 /* P^T as bfloat16 pairs [key pair][16 rows]: 32-bit words holding keys 2p and 2p + 1 of a row, as pv_block
- * broadcasts them ([e0 | e1] as 32 bfloat16, then interleaved into (e0[r], e1[r]) words). */
+ * broadcasts them (bf16_pairs: cpu_common.h). */
 static inline void store_bf16_pair(void *PT, int j, __m512 e0, __m512 e1) {
-    /* clang-format off */
-    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    /* clang-format on */
-    const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
-    _mm512_storeu_si512((uint32_t *)PT + (j / 2) * 16, _mm512_permutexvar_epi16(inter, pair));
+    _mm512_storeu_si512((uint32_t *)PT + (j / 2) * 16, bf16_pairs(e0, e1));
 }
 DEFINE_SOFTMAX_ROWS(softmax_rows, store_bf16_pair)
 

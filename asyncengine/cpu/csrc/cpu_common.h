@@ -59,6 +59,7 @@ static inline float e5m2_to_f32(uint8_t b) {
 #define HAVE_AVX512 1
 
 static inline __mmask16 mask_upto(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+static inline __mmask32 mask32_upto(int n) { return n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n) - 1); }
 
 /* 16 float32 values, zero where the mask is off. */
 static inline __m512 load16_f32(const float *p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
@@ -86,6 +87,18 @@ static inline __m256i bf16_pack(__m512 x) {
 #endif
     return _mm512_cvtepi32_epi16(bf16_bits(x));
 }
+#ifdef __AVX512BF16__
+/* Two vectors' lanes as bfloat16 pairs: lane i's 32-bit word holds bf16(e0[i]) low, bf16(e1[i]) high (one
+ * rounding of both, [e0 | e1] as 32 bfloat16, then interleaved), the operand a vdpbf16ps takes to add the
+ * products of two keys at once. */
+static inline __m512i bf16_pairs(__m512 e0, __m512 e1) {
+    /* clang-format off */
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    /* clang-format on */
+    return _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+}
+#endif
 /* 16 lanes rounded to bfloat16 and widened back: the values a bfloat16 tensor would hold */
 static inline __m512 bf16_round(__m512 x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(x)), 16));

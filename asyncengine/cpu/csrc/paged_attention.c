@@ -563,11 +563,7 @@ static inline int no_lane_dots(const void *q, float *scores, const void *kb, con
 #define PAIRED_VALUES CPU_ZEN4
 #endif
 #ifdef __AVX512BF16__
-static inline __m512 pack_pairs(__m512 p0, __m512 p1) { /* lane i: bf16(p0[i]) | bf16(p1[i]) << 16 */
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_castsi512_ps(_mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
-}
+static inline __m512 pack_pairs(__m512 p0, __m512 p1) { return _mm512_castsi512_ps(bf16_pairs(p0, p1)); }
 static inline __m512 dot_pairs(__m512 acc, __m512 p, __m512 v) {
     return _mm512_dpbf16_ps(acc, (__m512bh)p, (__m512bh)v);
 }
@@ -579,7 +575,7 @@ static inline __m512 dot_pairs(__m512 acc, __m512 p, __m512 v) { (void)p, (void)
  * left), as key pairs: lo holds dims 8L .. 8L + 3 of each 128-bit lane L, hi dims 8L + 4 .. 8L + 7. */
 static inline void vpair32_bf16(const void *p, long stride, int two, int left, __m512 *lo, __m512 *hi) {
     const uint16_t *a = (const uint16_t *)p;
-    const __mmask32 mk = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
+    const __mmask32 mk = mask32_upto(left);
     const __m512i x = _mm512_maskz_loadu_epi16(mk, a), y = _mm512_maskz_loadu_epi16(two ? mk : 0, a + stride);
     *lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(x, y));
     *hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(x, y));
@@ -703,38 +699,26 @@ static inline __attribute__((always_inline)) void NAME##_values_gs(int R, int NK
                     lo[(r * NK + k) * GS + g] = _mm512_load_ps(acc[r] + o);                             \
                     hi[(r * NK + k) * GS + g] = _mm512_load_ps(acc[r] + o + 16);                        \
                 }                                                                                       \
-        if (PAIRS) /* two keys a step: a pair of probabilities against two interleaved V rows */        \
-            for (int t = 0; t < n; t += 2) {                                                            \
-                row_prefetch_step(pf);                                                                  \
-                row_prefetch_step(pf);                                                                  \
-                for (int k = 0; k < NK; k++) {                                                          \
-                    __m512 vl, vh2;                                                                     \
-                    vpair32_bf16(vh + t * kv_stride + (long)k * head_dim + j, kv_stride, t + 1 < n,     \
-                                 head_dim - j, &vl, &vh2);                                              \
-                    for (int r = 0; r < R; r++)                                                         \
-                        for (int g = 0; g < GS; g++) {                                                  \
-                            const int x = x0 + k * GS + g, a = (r * NK + k) * GS + g;                   \
-                            const __m512 p = _mm512_set1_ps(scores[r][(x >> 4) * sb * 16 + t * 8 + (x & 15)]); \
-                            lo[a] = dot_pairs(lo[a], p, vl);                                            \
-                            hi[a] = dot_pairs(hi[a], p, vh2);                                           \
-                        }                                                                               \
-                }                                                                                       \
+        /* PAIRS: two keys a step, their probabilities' pair (slot t / 2) against two interleaved V rows */ \
+        for (int t = 0; t < n; t += PAIRS ? 2 : 1) {                                                    \
+            row_prefetch_step(pf);                                                                      \
+            if (PAIRS) row_prefetch_step(pf);                                                           \
+            for (int k = 0; k < NK; k++) {                                                              \
+                const KT *vt = vh + t * kv_stride + (long)k * head_dim + j;                             \
+                __m512 vl, vh2;                                                                         \
+                if (PAIRS)                                                                              \
+                    vpair32_bf16(vt, kv_stride, t + 1 < n, head_dim - j, &vl, &vh2);                    \
+                else                                                                                    \
+                    VLOAD32(vt, head_dim - j, &vl, &vh2);                                               \
+                for (int r = 0; r < R; r++)                                                             \
+                    for (int g = 0; g < GS; g++) {                                                      \
+                        const int x = x0 + k * GS + g, a = (r * NK + k) * GS + g;                       \
+                        const __m512 p = _mm512_set1_ps(scores[r][(x >> 4) * sb * 16 + t * (PAIRS ? 8 : 16) + (x & 15)]); \
+                        lo[a] = PAIRS ? dot_pairs(lo[a], p, vl) : _mm512_fmadd_ps(p, vl, lo[a]);        \
+                        hi[a] = PAIRS ? dot_pairs(hi[a], p, vh2) : _mm512_fmadd_ps(p, vh2, hi[a]);      \
+                    }                                                                                   \
             }                                                                                           \
-        else                                                                                            \
-            for (int t = 0; t < n; t++) {                                                               \
-                row_prefetch_step(pf);                                                                  \
-                for (int k = 0; k < NK; k++) {                                                          \
-                    __m512 vl, vh2;                                                                     \
-                    VLOAD32(vh + t * kv_stride + (long)k * head_dim + j, head_dim - j, &vl, &vh2);      \
-                    for (int r = 0; r < R; r++)                                                         \
-                        for (int g = 0; g < GS; g++) {                                                  \
-                            const int x = x0 + k * GS + g, a = (r * NK + k) * GS + g;                   \
-                            const __m512 p = _mm512_set1_ps(scores[r][(x >> 4) * sb * 16 + t * 16 + (x & 15)]); \
-                            lo[a] = _mm512_fmadd_ps(p, vl, lo[a]);                                      \
-                            hi[a] = _mm512_fmadd_ps(p, vh2, hi[a]);                                     \
-                        }                                                                               \
-                }                                                                                       \
-            }                                                                                           \
+        }                                                                                               \
         for (int r = 0; r < R; r++)                                                                     \
             for (int k = 0; k < NK; k++)                                                                \
                 for (int g = 0; g < GS; g++) {                                                          \
@@ -1118,8 +1102,7 @@ static inline void vload32_e5m2(const uint8_t *p, int left, __m512 *lo, __m512 *
     *hi = load16_e5m2(p + 16, mask_left(left - 16));
 }
 static inline void vload32_bf16(const uint16_t *p, int left, __m512 *lo, __m512 *hi) {
-    const __mmask32 mk = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
-    const __m512i x = _mm512_maskz_loadu_epi16(mk, p);
+    const __m512i x = _mm512_maskz_loadu_epi16(mask32_upto(left), p);
     *lo = bf16_even_f32(x);
     *hi = bf16_odd_f32(x);
 }
@@ -1143,10 +1126,8 @@ static inline uint16_t load_bits(uint16_t x) { return x; }
 static inline __m512 dot_bf16_dp(const uint16_t *q, const uint16_t *k, int head_dim) {
     __m512 dot = _mm512_setzero_ps();
     for (int j = 0; j < head_dim; j += 32) {
-        const __mmask32 mk =
-            head_dim - j >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (head_dim - j)) - 1);
         dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(q + j),
-                               (__m512bh)_mm512_maskz_loadu_epi16(mk, k + j));
+                               (__m512bh)_mm512_maskz_loadu_epi16(mask32_upto(head_dim - j), k + j));
     }
     return dot;
 }
