@@ -264,10 +264,29 @@ static inline void prefetch_out_rows(const void *out, long out_stride, int esz, 
             __builtin_prefetch((const void *)line, 1, 3);
     }
 }
-/* the float32 kernels' PREFETCH_OUT: nothing. Their rows measured 1.5-3% slower with the prefetch (a
- * float32 tile's 192 bytes a row are whole lines of its own), and even a dead `if (0)` call changes the
- * outlined OpenMP body's register allocation: left out by the preprocessor, their code is as before. */
-#define NO_OUT_PREFETCH(...)
+
+/* The kernels' output policies: OUTP##_BEFORE a tile's k loop, OUTP##_STORE a plain kernel's block,
+ * OUTP##_DONE after a thread's share. Macros rather than flags: even a dead `if (0)` call changes the
+ * outlined OpenMP body's register allocation, and the tile loops are that sensitive (3-4%).
+ * - bfloat16 (plain and gated): the output lines prefetched for writing, above.
+ * - float32 plain: stored as they come. Tried: the prefetch (1.5-3% slower: a float32 tile's 192 bytes a
+ *   row are whole lines of their own) and non-temporal stores (2-4% faster in the store itself, but the
+ *   register allocation it brought took more than that back).
+ * - float32 gated, at prefill sizes (m >= STREAM_MIN_ROWS): non-temporal stores (store_gated_f32; each
+ *   16-column block of a row is one whole line where it is aligned), no read-for-ownership. Measured (AMD
+ *   Zen 4, 2 threads, medium's gate/up, best of 18): M = 256-2048 206-209 -> 213-214 GF/s. Each thread ends
+ *   its share with an sfence, so that the streamed lines are visible after the parallel region. */
+#define OUT_BF16_ROWS_BEFORE(...) prefetch_out_rows(__VA_ARGS__)
+#define OUT_BF16_ROWS_STORE(acc, rows, r0, col, n, out, out_stride, bias) \
+    store_tile(acc, rows, r0, col, n, out, out_stride, 1, bias)
+#define OUT_BF16_ROWS_DONE()
+#define OUT_F32_ROWS_BEFORE(...)
+#define OUT_F32_ROWS_STORE(acc, rows, r0, col, n, out, out_stride, bias) \
+    store_tile(acc, rows, r0, col, n, out, out_stride, 0, bias)
+#define OUT_F32_ROWS_DONE()
+#define OUT_F32_STREAMED_BEFORE(...)
+#define OUT_F32_STREAMED_DONE() _mm_sfence()
+#define STREAM_MIN_ROWS 256
 
 static void store_tile(const __m512 *acc, int rows, int r0, int col0, int n, void *out, long out_stride,
                        int out_bf16, const void *bias) {
@@ -400,8 +419,8 @@ static inline __attribute__((always_inline)) void tile_f32(int rows, int nb, con
  * rows through TILE(rows, nb, x, wb, acc, pf) (tile_bf16 / tile_f32 with the function's x_stride, k_int
  * and bstride), split over the threads by thread_share; at decode-sized M each later row tile prefetches a
  * share of the thread's next tile's panel (next_share). XT: the activations' element type; OUT_BF16: the
- * output's. */
-#define DEFINE_PLAIN_WEIGHTS(NAME, TILE, XT, QTYPE, OUT_BF16, PREFETCH_OUT)                                              \
+ * output's; OUTP: the output policy (OUT_BF16_ROWS, OUT_F32_ROWS). */
+#define DEFINE_PLAIN_WEIGHTS(NAME, TILE, XT, QTYPE, OUT_BF16, OUTP)                                        \
     static int NAME(const void *x, long x_stride, const uint8_t *w, const void *bias, void *out,             \
                     long out_stride, int m, int n, int k_int, int num_threads) {                              \
         const int blocks = (n + 15) / 16;                                                                   \
@@ -421,7 +440,7 @@ static inline __attribute__((always_inline)) void tile_f32(int rows, int nb, con
                     const int rows = r_end - r0 < MT ? r_end - r0 : MT;                                     \
                     const Span pf = next_share(next, (long)nb1 * bstride, (r0 - r_begin) / MT, row_tiles);  \
                     const XT *xr = (const XT *)x + (long)r0 * x_stride;                                     \
-                    PREFETCH_OUT(out, out_stride, OUT_BF16 ? 2 : 4, r0, rows, 16L * b0, 16L * nb);         \
+                    OUTP##_BEFORE(out, out_stride, OUT_BF16 ? 2 : 4, r0, rows, 16L * b0, 16L * nb);        \
                     if (nb == 3) {                                                                          \
                         ROWS_SWITCH_ARGS(TILE, 3, xr, wb, acc, pf)                                          \
                     } else if (nb == 2) {                                                                   \
@@ -430,26 +449,33 @@ static inline __attribute__((always_inline)) void tile_f32(int rows, int nb, con
                         ROWS_SWITCH_ARGS(TILE, 1, xr, wb, acc, pf)                                          \
                     }                                                                                       \
                     for (int j = 0; j < nb; j++)                                                            \
-                        store_tile(acc + j * MT, rows, r0, (b0 + j) * 16, n, out, out_stride, OUT_BF16, bias); \
+                        OUTP##_STORE(acc + j * MT, rows, r0, (b0 + j) * 16, n, out, out_stride, bias);      \
                 }                                                                                           \
             }                                                                                               \
+            OUTP##_DONE();                                                                                  \
         }                                                                                                   \
         return 0;                                                                                           \
     }
 #define F32_TILE(R, NB, X, WB, ACC, PF) tile_f32(R, NB, X, x_stride, k_int, WB, bstride, ACC, PF)
-DEFINE_PLAIN_WEIGHTS(f32_weights, F32_TILE, float, QT_F32, 0, NO_OUT_PREFETCH)
+DEFINE_PLAIN_WEIGHTS(f32_weights, F32_TILE, float, QT_F32, 0, OUT_F32_ROWS)
 
 /* `rows` rows of a gate and an up accumulator block (+ their biases) -> 16 float32 columns of silu(g) * u:
  * cpu_ops.c's silu_and_mul on the plain kernel's output (store_tile: acc + bias), bit for bit. */
 __attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const __m512 *acc_u, int rows, int r0,
                                                       int col, float *out, long out_stride, const float *bias_g,
-                                                      const float *bias_u) {
+                                                      const float *bias_u, int stream) {
+    /* stream (OUT_F32_STREAMED): a 16-column block of a row is one whole line where it is aligned */
+    stream = stream && !(((uintptr_t)(out + (long)r0 * out_stride + col) & 63) || (out_stride & 15));
     for (int r = 0; r < rows; r++) {
         const __m512 g = bias_g ? _mm512_add_ps(acc_g[r], _mm512_loadu_ps(bias_g)) : acc_g[r];
         const __m512 u = bias_u ? _mm512_add_ps(acc_u[r], _mm512_loadu_ps(bias_u)) : acc_u[r];
         const __m512 a = _mm512_div_ps(
             g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        _mm512_storeu_ps(out + (long)(r0 + r) * out_stride + col, _mm512_mul_ps(a, u));
+        float *dst = out + (long)(r0 + r) * out_stride + col;
+        if (stream)
+            _mm512_stream_ps(dst, _mm512_mul_ps(a, u));
+        else
+            _mm512_storeu_ps(dst, _mm512_mul_ps(a, u));
     }
 }
 
@@ -458,10 +484,11 @@ __attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const
  * outputs), so each 2-block tile holds both halves of 16 outputs and writes out [m, n / 2] = silu(gate) *
  * up straight from its accumulators: the GEMM's [m, n] output is never written nor read again by a
  * separate silu_and_mul pass. Each output sums over k in the same order as the plain kernel's. TILE: the
- * plain kernel's (XT activations, QTYPE weights); STORE: the epilogue (OT outputs). */
+ * plain kernel's (XT activations, QTYPE weights); STORE: the epilogue (OT outputs); OUTP: the output policy's
+ * BEFORE and DONE (OUT_BF16_ROWS, OUT_F32_STREAMED). */
 #define GATED_ROWS 6 /* rows of a two-pair tile: 4 blocks x 6 rows = 24 accumulators, as 3 x 8 */
 #define GATED_GRAN 24 /* rows a shared tile is cut at (thread_share): a multiple of both tile heights */
-#define DEFINE_GATED_WEIGHTS(NAME, TILE, XT, OT, QTYPE, STORE, PREFETCH_OUT)                                            \
+#define DEFINE_GATED_WEIGHTS(NAME, TILE, XT, OT, QTYPE, STORE, OUTP)                                      \
     static int NAME(const XT *x, long x_stride, const uint8_t *w, const OT *bias, OT *out, long out_stride,  \
                     int m, int n, int k_int, int num_threads) {                                              \
         const int pairs = n / 32, inter = n / 2;                                                            \
@@ -495,7 +522,7 @@ __attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const
                     const int rows = r_end - r0 < tile_rows ? r_end - r0 : tile_rows;                       \
                     const XT *xr = x + (long)r0 * x_stride;                                                 \
                     const Span pf = next_share(next, 2L * np1 * bstride, (r0 - r_begin) / tile_rows, row_tiles); \
-                    PREFETCH_OUT(out, out_stride, (int)sizeof(OT), r0, rows, 16L * p0, 16L * np);          \
+                    OUTP##_BEFORE(out, out_stride, (int)sizeof(OT), r0, rows, 16L * p0, 16L * np);         \
                     if (np == 2) {                                                                          \
                         switch (rows) {                                                                     \
                         case 1: TILE(1, 4, xr, wb, acc, pf); break;                                         \
@@ -515,10 +542,12 @@ __attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const
                     }                                                                                       \
                 }                                                                                           \
             }                                                                                               \
+            OUTP##_DONE();                                                                                  \
         }                                                                                                   \
         return 0;                                                                                           \
     }
-DEFINE_GATED_WEIGHTS(f32_weights_gated, F32_TILE, float, float, QT_F32, store_gated_f32, NO_OUT_PREFETCH)
+#define STORE_GATED_F32(...) store_gated_f32(__VA_ARGS__, m >= STREAM_MIN_ROWS)
+DEFINE_GATED_WEIGHTS(f32_weights_gated, F32_TILE, float, float, QT_F32, STORE_GATED_F32, OUT_F32_STREAMED)
 
 #ifdef __AVX512BF16__
 #define HAVE_DPBF16 1
@@ -710,7 +739,7 @@ static void run_block(int b, const float *xs, int m, int n, int k_int, int gs, i
 /* bfloat16 weights: tiles of NB_MAX blocks x MT rows (tile_bf16); x: bfloat16 rows x_stride apart, k_int
  * wide (gathered, or the caller's own when nothing is to be gathered). */
 #define BF16_TILE(R, NB, X, WB, ACC, PF) tile_bf16(R, NB, X, x_stride, k_int, WB, bstride, ACC, PF)
-DEFINE_PLAIN_WEIGHTS(bf16_weights, BF16_TILE, uint16_t, QT_BF16, 1, prefetch_out_rows)
+DEFINE_PLAIN_WEIGHTS(bf16_weights, BF16_TILE, uint16_t, QT_BF16, 1, OUT_BF16_ROWS)
 
 /* `rows` rows of a gate and an up accumulator block (+ their biases) -> 16 columns of T(silu(g)) * u, with
  * g and u the bfloat16 projections: cpu_ops.c's silu_and_mul on the rounded plain output, bit for bit. */
@@ -728,7 +757,7 @@ __attribute__((noinline)) static void store_gated(const __m512 *acc_g, const __m
     }
 }
 
-DEFINE_GATED_WEIGHTS(bf16_weights_gated, BF16_TILE, uint16_t, uint16_t, QT_BF16, store_gated, prefetch_out_rows)
+DEFINE_GATED_WEIGHTS(bf16_weights_gated, BF16_TILE, uint16_t, uint16_t, QT_BF16, store_gated, OUT_BF16_ROWS)
 
 /* bfloat16 activations: gathered (permuted, zero-padded) as bfloat16 with their per-group sums, then
  * MT-row tiles per block through block_dp. */

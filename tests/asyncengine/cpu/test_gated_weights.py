@@ -31,14 +31,15 @@ def needs_kernel(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("k,inter", [(64, 16), (96, 48), (40, 32), (768, 2048)])
 def test_gated_weight_gives_silu_and_mul_bit_for_bit(dtype: torch.dtype, k: int, inter: int) -> None:
     """Every tile regime (1-2 rows on two-pair tiles, 3-8 rows pair by pair, 6-row two-pair tiles beyond,
-    an odd last pair), with and without a bias, through denormals, infinities and NaN."""
+    an odd last pair; float32 rows streamed from 256 rows on), with and without a bias, through denormals,
+    infinities and NaN."""
     needs_kernel(dtype)
     g = torch.Generator().manual_seed(k + inter)
     w = (torch.randn(2 * inter, k, generator=g) * 0.3).to(dtype)
     b = torch.randn(2 * inter, generator=g).to(dtype)
     plain, gated = PACK[dtype](w), PACK[dtype](w, gated=True)
     assert plain is not None and gated is not None and gated.gated and not plain.gated
-    for m in (1, 2, 3, 8, 9, 13, 40):
+    for m in (1, 2, 3, 8, 9, 13, 40, 259):
         x = torch.randn(m, k, generator=g).to(dtype)
         x[0, :4] = torch.tensor([1e-39, -3e38, 3e38, 0.0])  # denormal, huge (inf sums), zero
         if m > 2:
