@@ -269,13 +269,15 @@ static inline void prefetch_out_rows(const void *out, long out_stride, int esz, 
  * OUTP##_DONE after a thread's share. Macros rather than flags: even a dead `if (0)` call changes the
  * outlined OpenMP body's register allocation, and the tile loops are that sensitive (3-4%).
  * - bfloat16 (plain and gated): the output lines prefetched for writing, above.
- * - float32 plain: stored as they come. Tried: the prefetch (1.5-3% slower: a float32 tile's 192 bytes a
- *   row are whole lines of their own) and non-temporal stores (2-4% faster in the store itself, but the
- *   register allocation it brought took more than that back).
- * - float32 gated, at prefill sizes (m >= STREAM_MIN_ROWS): non-temporal stores (store_gated_f32; each
- *   16-column block of a row is one whole line where it is aligned), no read-for-ownership. Measured (AMD
- *   Zen 4, 2 threads, medium's gate/up, best of 18): M = 256-2048 206-209 -> 213-214 GF/s. Each thread ends
- *   its share with an sfence, so that the streamed lines are visible after the parallel region. */
+ * - float32, a prefill's output: non-temporal stores (no read-for-ownership; a float32 tile's 16-column
+ *   block of a row is one whole line where it is aligned, so nothing is merged). Plain kernel
+ *   (store_tile): every row from STREAM_MIN_ROWS on, so that a decode step's or a short prefill's output
+ *   stays in the caches for the next op; gated kernel (store_gated_f32): every row of a call with m >=
+ *   STREAM_MIN_ROWS. Each thread ends its share with an sfence (OUTP##_DONE; qgemm's float32-activation
+ *   region too), so that the streamed lines are visible after the parallel region. Measured (AMD Zen 4, 2
+ *   threads, medium's shapes, best of 18, builds alternated; outputs bit-identical): M = 2048 qkv 216-218
+ *   -> 223-224 GF/s, o 215-219 -> 224-225, down 216-222 -> 218-225, gate/up 209 -> 213; M = 256-512 level
+ *   to +1.5%; M <= 64 (nothing streamed) level. The float32 prefetch for writing measured 1.5-3% slower. */
 #define OUT_BF16_ROWS_BEFORE(...) prefetch_out_rows(__VA_ARGS__)
 #define OUT_BF16_ROWS_STORE(acc, rows, r0, col, n, out, out_stride, bias) \
     store_tile(acc, rows, r0, col, n, out, out_stride, 1, bias)
@@ -283,7 +285,7 @@ static inline void prefetch_out_rows(const void *out, long out_stride, int esz, 
 #define OUT_F32_ROWS_BEFORE(...)
 #define OUT_F32_ROWS_STORE(acc, rows, r0, col, n, out, out_stride, bias) \
     store_tile(acc, rows, r0, col, n, out, out_stride, 0, bias)
-#define OUT_F32_ROWS_DONE()
+#define OUT_F32_ROWS_DONE() _mm_sfence()
 #define OUT_F32_STREAMED_BEFORE(...)
 #define OUT_F32_STREAMED_DONE() _mm_sfence()
 #define STREAM_MIN_ROWS 256
@@ -294,8 +296,14 @@ static void store_tile(const __m512 *acc, int rows, int r0, int col0, int n, voi
     const int width = n - col0 < 16 ? n - col0 : 16;
     if (!out_bf16 && width == 16) { /* a whole float32 block: vector stores */
         const __m512 b = bias ? _mm512_loadu_ps((const float *)bias + col0) : _mm512_setzero_ps();
-        for (int r = 0; r < rows; r++)
-            _mm512_storeu_ps((float *)out + (long)(r0 + r) * out_stride + col0, bias ? _mm512_add_ps(acc[r], b) : acc[r]);
+        for (int r = 0; r < rows; r++) {
+            float *dst = (float *)out + (long)(r0 + r) * out_stride + col0;
+            const __m512 v = bias ? _mm512_add_ps(acc[r], b) : acc[r];
+            if (r0 + r >= STREAM_MIN_ROWS && !((uintptr_t)dst & 63)) /* see the output policies above */
+                _mm512_stream_ps(dst, v);
+            else
+                _mm512_storeu_ps(dst, v);
+        }
         return;
     }
     if (out_bf16 && width == 16) { /* a whole block: vector stores */
@@ -1151,6 +1159,9 @@ int qgemm(const void *x, long x_stride, int x_bf16, int k_in, const long *perm, 
             if (!need_strip || strip)
                 run_block(b, xs, m, n, k_int, gs, qtype, w, scales, zeros, bias, out, out_stride, x_bf16, strip);
         free(strip);
+#ifdef HAVE_AVX512
+        _mm_sfence(); /* store_tile's streamed float32 rows */
+#endif
     }
     free(xbuf);
     return failed ? -2 : 0;

@@ -20,7 +20,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
 
 
 @pytest.mark.parametrize("n,k", [(80, 96), (37, 45), (3, 2), (100, 130), (200, 768)])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 40, 130])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 40, 130, 300])  # from row 256: streamed stores
 @pytest.mark.parametrize("bias", [True, False])
 def test_matches_float64(n: int, k: int, m: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(n * 1000 + k * 10 + m)

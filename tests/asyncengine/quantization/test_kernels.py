@@ -44,7 +44,7 @@ CASES = [
 
 @pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
 @pytest.mark.parametrize(("qtype", "n", "k", "group", "act_order"), CASES)
-@pytest.mark.parametrize("m", [1, 5, 8, 9, 64, 200])  # <= 8: in registers; larger: dequantized strips
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 64, 200, 300])  # <= 8: registers; then strips; 256 on: streamed
 def test_kernel_matches_the_dequantized_weight(portable, qtype, n, k, group, act_order, m) -> None:
     if not quant_gemm.available(portable):
         pytest.skip("no C compiler")
