@@ -253,7 +253,7 @@ static inline __attribute__((always_inline)) void block_strip(int rows, const fl
  * L2, and a bfloat16 tile's 96 bytes a row even share a line with the next tile's, written a whole panel
  * of row tiles later; a decode step's LM head writes [batch, vocab]. The tile's multiply-adds hide the
  * fetches. Measured (bfloat16, AMD Zen 4, 2 threads, best of 18, builds alternated; outputs bit-identical):
- * medium's qkv at M = 2048 429-439 -> 448-450 GF/s, o, gate/up and down +0.5-2% (without any store at all:
+ * medium's qkv at M = 2048 426-439 -> 444-450 GF/s, o, gate/up and down +0.5-2% (without any store at all:
  * qkv 458); Qwen2.5-0.5B's qkv +3% and its 151,936-row LM head 434 -> 449 at M = 2048, 421 -> 444 at M = 64
  * (weights cycled from DRAM); M = 1-16 level within the noise, M = 128-512 level. */
 static inline void prefetch_out_rows(const void *out, long out_stride, int esz, int r0, int rows, long col,
@@ -265,8 +265,7 @@ static inline void prefetch_out_rows(const void *out, long out_stride, int esz, 
     }
 }
 
-/* The kernels' output policies: OUTP##_BEFORE a tile's k loop, OUTP##_STORE a plain kernel's block,
- * OUTP##_DONE after a thread's share. Macros rather than flags: even a dead `if (0)` call changes the
+/* The kernels' output policies: OUTP##_BEFORE a tile's k loop, OUTP##_DONE after a thread's share. Macros rather than flags: even a dead `if (0)` call changes the
  * outlined OpenMP body's register allocation, and the tile loops are that sensitive (3-4%).
  * - bfloat16 (plain and gated): the output lines prefetched for writing, above.
  * - float32, a prefill's output: non-temporal stores (no read-for-ownership; a float32 tile's 16-column
@@ -279,15 +278,9 @@ static inline void prefetch_out_rows(const void *out, long out_stride, int esz, 
  *   -> 223-224 GF/s, o 215-219 -> 224-225, down 216-222 -> 218-225, gate/up 209 -> 213; M = 256-512 level
  *   to +1.5%; M <= 64 (nothing streamed) level. The float32 prefetch for writing measured 1.5-3% slower. */
 #define OUT_BF16_ROWS_BEFORE(...) prefetch_out_rows(__VA_ARGS__)
-#define OUT_BF16_ROWS_STORE(acc, rows, r0, col, n, out, out_stride, bias) \
-    store_tile(acc, rows, r0, col, n, out, out_stride, 1, bias)
 #define OUT_BF16_ROWS_DONE()
 #define OUT_F32_ROWS_BEFORE(...)
-#define OUT_F32_ROWS_STORE(acc, rows, r0, col, n, out, out_stride, bias) \
-    store_tile(acc, rows, r0, col, n, out, out_stride, 0, bias)
 #define OUT_F32_ROWS_DONE() _mm_sfence()
-#define OUT_F32_STREAMED_BEFORE(...)
-#define OUT_F32_STREAMED_DONE() _mm_sfence()
 #define STREAM_MIN_ROWS 256
 
 static void store_tile(const __m512 *acc, int rows, int r0, int col0, int n, void *out, long out_stride,
@@ -457,7 +450,7 @@ static inline __attribute__((always_inline)) void tile_f32(int rows, int nb, con
                         ROWS_SWITCH_ARGS(TILE, 1, xr, wb, acc, pf)                                          \
                     }                                                                                       \
                     for (int j = 0; j < nb; j++)                                                            \
-                        OUTP##_STORE(acc + j * MT, rows, r0, (b0 + j) * 16, n, out, out_stride, bias);      \
+                        store_tile(acc + j * MT, rows, r0, (b0 + j) * 16, n, out, out_stride, OUT_BF16, bias); \
                 }                                                                                           \
             }                                                                                               \
             OUTP##_DONE();                                                                                  \
@@ -472,7 +465,7 @@ DEFINE_PLAIN_WEIGHTS(f32_weights, F32_TILE, float, QT_F32, 0, OUT_F32_ROWS)
 __attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const __m512 *acc_u, int rows, int r0,
                                                       int col, float *out, long out_stride, const float *bias_g,
                                                       const float *bias_u, int stream) {
-    /* stream (OUT_F32_STREAMED): a 16-column block of a row is one whole line where it is aligned */
+    /* streamed (the output policies above): a 16-column block of a row is one whole line where aligned */
     stream = stream && !(((uintptr_t)(out + (long)r0 * out_stride + col) & 63) || (out_stride & 15));
     for (int r = 0; r < rows; r++) {
         const __m512 g = bias_g ? _mm512_add_ps(acc_g[r], _mm512_loadu_ps(bias_g)) : acc_g[r];
@@ -492,8 +485,8 @@ __attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const
  * outputs), so each 2-block tile holds both halves of 16 outputs and writes out [m, n / 2] = silu(gate) *
  * up straight from its accumulators: the GEMM's [m, n] output is never written nor read again by a
  * separate silu_and_mul pass. Each output sums over k in the same order as the plain kernel's. TILE: the
- * plain kernel's (XT activations, QTYPE weights); STORE: the epilogue (OT outputs); OUTP: the output policy's
- * BEFORE and DONE (OUT_BF16_ROWS, OUT_F32_STREAMED). */
+ * plain kernel's (XT activations, QTYPE weights); STORE: the epilogue (OT outputs); OUTP: the output policy
+ * (OUT_BF16_ROWS, OUT_F32_ROWS). */
 #define GATED_ROWS 6 /* rows of a two-pair tile: 4 blocks x 6 rows = 24 accumulators, as 3 x 8 */
 #define GATED_GRAN 24 /* rows a shared tile is cut at (thread_share): a multiple of both tile heights */
 #define DEFINE_GATED_WEIGHTS(NAME, TILE, XT, OT, QTYPE, STORE, OUTP)                                      \
@@ -555,7 +548,7 @@ __attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const
         return 0;                                                                                           \
     }
 #define STORE_GATED_F32(...) store_gated_f32(__VA_ARGS__, m >= STREAM_MIN_ROWS)
-DEFINE_GATED_WEIGHTS(f32_weights_gated, F32_TILE, float, float, QT_F32, STORE_GATED_F32, OUT_F32_STREAMED)
+DEFINE_GATED_WEIGHTS(f32_weights_gated, F32_TILE, float, float, QT_F32, STORE_GATED_F32, OUT_F32_ROWS)
 
 #ifdef __AVX512BF16__
 #define HAVE_DPBF16 1
