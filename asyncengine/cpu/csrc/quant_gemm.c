@@ -265,15 +265,16 @@ static inline void prefetch_out_rows(const void *out, long out_stride, int esz, 
     }
 }
 
-/* The kernels' output policies: OUTP##_BEFORE a tile's k loop, OUTP##_DONE after a thread's share. Macros rather than flags: even a dead `if (0)` call changes the
- * outlined OpenMP body's register allocation, and the tile loops are that sensitive (3-4%).
+/* The kernels' output policies: OUTP##_BEFORE a tile's k loop, OUTP##_DONE after a thread's share. Macros
+ * rather than flags: even a dead `if (0)` call changes the outlined OpenMP body's register allocation, and
+ * the tile loops are that sensitive (3-4%).
  * - bfloat16 (plain and gated): the output lines prefetched for writing, above.
  * - float32, a prefill's output: non-temporal stores (no read-for-ownership; a float32 tile's 16-column
- *   block of a row is one whole line where it is aligned, so nothing is merged). Plain kernel
- *   (store_tile): every row from STREAM_MIN_ROWS on, so that a decode step's or a short prefill's output
- *   stays in the caches for the next op; gated kernel (store_gated_f32): every row of a call with m >=
- *   STREAM_MIN_ROWS. Each thread ends its share with an sfence (OUTP##_DONE; qgemm's float32-activation
- *   region too), so that the streamed lines are visible after the parallel region. Measured (AMD Zen 4, 2
+ *   block of a row is one whole line where it is aligned, so nothing is merged), every row from
+ *   STREAM_MIN_ROWS on (store16_f32, for store_tile and store_gated_f32 alike), so that a decode step's or
+ *   a short prefill's output stays in the caches for the next op. Each thread ends its share with an
+ *   sfence (OUTP##_DONE; qgemm's float32-activation region too), so that the streamed lines are visible
+ *   after the parallel region. Measured (AMD Zen 4, 2
  *   threads, medium's shapes, best of 18, builds alternated; outputs bit-identical): M = 2048 qkv 216-218
  *   -> 223-224 GF/s, o 215-219 -> 224-225, down 216-222 -> 218-225, gate/up 209 -> 213; M = 256-512 level
  *   to +1.5%; M <= 64 (nothing streamed) level. The float32 prefetch for writing measured 1.5-3% slower. */
@@ -282,6 +283,14 @@ static inline void prefetch_out_rows(const void *out, long out_stride, int esz, 
 #define OUT_F32_ROWS_BEFORE(...)
 #define OUT_F32_ROWS_DONE() _mm_sfence()
 #define STREAM_MIN_ROWS 256
+/* One float32 block row of output row `row`: streamed from row STREAM_MIN_ROWS on where dst is a whole
+ * aligned line, else a plain store (store_tile and store_gated_f32 alike). */
+static inline void store16_f32(float *dst, int row, __m512 v) {
+    if (row >= STREAM_MIN_ROWS && !((uintptr_t)dst & 63))
+        _mm512_stream_ps(dst, v);
+    else
+        _mm512_storeu_ps(dst, v);
+}
 
 static void store_tile(const __m512 *acc, int rows, int r0, int col0, int n, void *out, long out_stride,
                        int out_bf16, const void *bias) {
@@ -291,11 +300,7 @@ static void store_tile(const __m512 *acc, int rows, int r0, int col0, int n, voi
         const __m512 b = bias ? _mm512_loadu_ps((const float *)bias + col0) : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
             float *dst = (float *)out + (long)(r0 + r) * out_stride + col0;
-            const __m512 v = bias ? _mm512_add_ps(acc[r], b) : acc[r];
-            if (r0 + r >= STREAM_MIN_ROWS && !((uintptr_t)dst & 63)) /* see the output policies above */
-                _mm512_stream_ps(dst, v);
-            else
-                _mm512_storeu_ps(dst, v);
+            store16_f32(dst, r0 + r, bias ? _mm512_add_ps(acc[r], b) : acc[r]);
         }
         return;
     }
@@ -464,19 +469,13 @@ DEFINE_PLAIN_WEIGHTS(f32_weights, F32_TILE, float, QT_F32, 0, OUT_F32_ROWS)
  * cpu_ops.c's silu_and_mul on the plain kernel's output (store_tile: acc + bias), bit for bit. */
 __attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const __m512 *acc_u, int rows, int r0,
                                                       int col, float *out, long out_stride, const float *bias_g,
-                                                      const float *bias_u, int stream) {
-    /* streamed (the output policies above): a 16-column block of a row is one whole line where aligned */
-    stream = stream && !(((uintptr_t)(out + (long)r0 * out_stride + col) & 63) || (out_stride & 15));
+                                                      const float *bias_u) {
     for (int r = 0; r < rows; r++) {
         const __m512 g = bias_g ? _mm512_add_ps(acc_g[r], _mm512_loadu_ps(bias_g)) : acc_g[r];
         const __m512 u = bias_u ? _mm512_add_ps(acc_u[r], _mm512_loadu_ps(bias_u)) : acc_u[r];
         const __m512 a = _mm512_div_ps(
             g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        float *dst = out + (long)(r0 + r) * out_stride + col;
-        if (stream)
-            _mm512_stream_ps(dst, _mm512_mul_ps(a, u));
-        else
-            _mm512_storeu_ps(dst, _mm512_mul_ps(a, u));
+        store16_f32(out + (long)(r0 + r) * out_stride + col, r0 + r, _mm512_mul_ps(a, u));
     }
 }
 
@@ -547,8 +546,7 @@ __attribute__((noinline)) static void store_gated_f32(const __m512 *acc_g, const
         }                                                                                                   \
         return 0;                                                                                           \
     }
-#define STORE_GATED_F32(...) store_gated_f32(__VA_ARGS__, m >= STREAM_MIN_ROWS)
-DEFINE_GATED_WEIGHTS(f32_weights_gated, F32_TILE, float, float, QT_F32, STORE_GATED_F32, OUT_F32_ROWS)
+DEFINE_GATED_WEIGHTS(f32_weights_gated, F32_TILE, float, float, QT_F32, store_gated_f32, OUT_F32_ROWS)
 
 #ifdef __AVX512BF16__
 #define HAVE_DPBF16 1
